@@ -1,0 +1,100 @@
+"""The `stream-rl` command. Each subcommand lives in the module that does the work and exposes
+`add_arguments(parser)` and `main(args) -> int`; modules are imported lazily, so `stream-rl
+kafka up` does not import torch. Errors a user can act on print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+from stream_rl.errors import StreamRLError
+
+# (name, module, help). Modules provide add_arguments(parser) and main(args).
+COMMANDS: list[tuple[str, str, str]] = [
+    ("kafka", "stream_rl.kafka.commands", "local Kafka broker: fetch, up, down, status"),
+    ("topics", "stream_rl.kafka.commands", "create (apply) or list a run's topics"),
+    ("lag", "stream_rl.kafka.commands", "consumer lag of a run's groups"),
+]
+
+
+def add_common(parser: argparse.ArgumentParser, config: bool = True, bounded: bool = False) -> None:
+    """Options shared by the stage commands."""
+    if config:
+        parser.add_argument("--config", "-c", help="run config YAML (defaults when omitted)")
+        parser.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config value, e.g. --set trainer.lr=1e-5 (repeatable)",
+        )
+    parser.add_argument(
+        "--bootstrap",
+        default=None,
+        help="Kafka bootstrap servers (default: config, then $STREAM_RL_KAFKA_BOOTSTRAP)",
+    )
+    if bounded:
+        parser.add_argument("--max-records", type=int, default=None, help="stop after N input records")
+        parser.add_argument(
+            "--idle-timeout", type=float, default=None, help="stop after S seconds without input"
+        )
+        parser.add_argument(
+            "--metrics-port",
+            type=int,
+            default=None,
+            help="serve Prometheus /metrics on this port (0 = any free port)",
+        )
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    epilog = "commands:\n" + "\n".join(f"  {name:<14} {help_text}" for name, _, help_text in COMMANDS)
+    epilog += "\n\nRun `stream-rl COMMAND --help` for a command's options."
+    parser = argparse.ArgumentParser(
+        prog="stream-rl",
+        description=__doc__.split("\n")[0],
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--log-level", default=os.environ.get("STREAM_RL_LOG_LEVEL", "INFO"))
+    parser.add_argument("command", choices=[c[0] for c in COMMANDS], metavar="COMMAND")
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return parser
+
+
+def command_parser(name: str) -> tuple[argparse.ArgumentParser, object]:
+    """The parser of one subcommand (importing only its module) and the module."""
+    module, help_text = next((m, h) for n, m, h in COMMANDS if n == name)
+    mod = importlib.import_module(module)
+    parser = argparse.ArgumentParser(prog=f"stream-rl {name}", description=help_text)
+    adder = getattr(mod, f"add_{name.replace('-', '_')}_arguments", None) or mod.add_arguments
+    adder(parser)
+    return parser, mod
+
+
+def main(argv: list[str] | None = None) -> int:
+    top = _top_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(
+        level=top.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    parser, mod = command_parser(top.command)
+    args = parser.parse_args(top.rest)
+    runner = getattr(mod, f"main_{top.command.replace('-', '_')}", None) or mod.main  # type: ignore[attr-defined]
+    try:
+        return int(runner(args) or 0)
+    except StreamRLError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

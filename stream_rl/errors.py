@@ -1,0 +1,33 @@
+"""The small error hierarchy every stage raises. The CLI turns these into one-line messages."""
+
+
+class StreamRLError(Exception):
+    """Base class: an error a user can act on. Its message says what to do."""
+
+
+class ConfigError(StreamRLError):
+    """Invalid configuration: names the bad key and why."""
+
+
+class ContractError(StreamRLError):
+    """A record does not match its Avro contract (undecodable, unknown schema, invalid field)."""
+
+
+class KafkaError(StreamRLError):
+    """The broker or a Kafka client failed (unreachable, delivery failed, transaction aborted)."""
+
+
+class BrokerError(KafkaError):
+    """The local broker could not be fetched, started or stopped."""
+
+
+class WeightSyncError(StreamRLError):
+    """A weight broadcast or a server's weight update failed."""
+
+
+class InferenceError(StreamRLError):
+    """An inference request could not be served (bad request, engine failure, timeout)."""
+
+
+class TaskError(StreamRLError):
+    """A task is unknown or misconfigured."""

@@ -1,0 +1,343 @@
+"""A real Apache Kafka broker without Docker: jars from Maven Central, KRaft, one process.
+
+    stream-rl kafka up [--data-dir D] [--port P]   fetch jars (once), format (once), start, wait
+    stream-rl kafka status                          pid, port, answering or not
+    stream-rl kafka down                            SIGTERM, wait, report
+
+The jars live in `~/.cache/stream-rl/kafka-<version>/lib` (Maven's own cache is ~/.m2). The
+data dir holds the KRaft logs, `server.properties`, `broker.log` and `broker.json` (pid and
+ports); data survives down/up, which replay depends on.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from stream_rl.errors import BrokerError
+
+KAFKA_VERSION = "4.3.1"
+DEPLOY_DIR = Path(__file__).resolve().parents[2] / "deploy" / "kafka"
+JVM_OPTS = [
+    # Sized for a 2-core, shared machine: small heap, G1 with Kafka's own pause target.
+    "-Xms256m",
+    "-Xmx768m",
+    "-XX:+UseG1GC",
+    "-XX:MaxGCPauseMillis=20",
+    "-XX:InitiatingHeapOccupancyPercent=35",
+    "-XX:+ExplicitGCInvokesConcurrent",
+    "-Djava.awt.headless=true",
+]
+READY_TIMEOUT_S = 60.0
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("STREAM_RL_CACHE", Path.home() / ".cache" / "stream-rl"))
+
+
+def jars_dir(version: str = KAFKA_VERSION) -> Path:
+    return cache_root() / f"kafka-{version}" / "lib"
+
+
+def _require_tool(name: str, hint: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise BrokerError(f"{name} not found on PATH: {hint}")
+    return path
+
+
+def fetch_jars(version: str = KAFKA_VERSION, quiet: bool = False) -> Path:
+    """Download the broker's runtime jars with Maven into the cache (once)."""
+    lib = jars_dir(version)
+    if (lib / ".complete").exists():
+        return lib
+    mvn = _require_tool(
+        "mvn", "install Maven 3 (e.g. `apt-get install maven`); it fetches Kafka from Maven Central"
+    )
+    _require_tool("java", "install a JDK 17+ (e.g. `apt-get install openjdk-17-jdk-headless`)")
+    work = lib.parent
+    work.mkdir(parents=True, exist_ok=True)
+    shutil.copy(DEPLOY_DIR / "pom.xml", work / "pom.xml")
+    tmp = work / "lib.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    if not quiet:
+        print(f"fetching Apache Kafka {version} from Maven Central into {lib} ...", flush=True)
+    cmd = [
+        mvn,
+        "-B",
+        "-q",
+        "-f",
+        str(work / "pom.xml"),
+        "dependency:copy-dependencies",
+        f"-DoutputDirectory={tmp}",
+        "-DincludeScope=runtime",
+        f"-Dkafka.version={version}",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        raise BrokerError(f"Maven could not fetch Kafka {version} (exit {proc.returncode}):\n{tail}")
+    if not any(tmp.glob("kafka_2.13-*.jar")):
+        raise BrokerError(f"Maven finished but no kafka_2.13 jar is in {tmp}")
+    shutil.rmtree(lib, ignore_errors=True)
+    tmp.rename(lib)
+    (lib / ".complete").touch()
+    return lib
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child counts as dead.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _answers(bootstrap: str, timeout: float = 2.0) -> bool:
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    # log_level 0: connection-refused noise is expected while the broker starts.
+    admin = AdminClient(
+        {"bootstrap.servers": bootstrap, "socket.connection.setup.timeout.ms": 2000, "log_level": 0}
+    )
+    try:
+        return bool(admin.list_topics(timeout=timeout).brokers)
+    except KafkaException:
+        return False
+
+
+@dataclass
+class BrokerState:
+    pid: int
+    port: int
+    controller_port: int
+    host: str
+    version: str
+    started_at: float
+
+    @property
+    def bootstrap(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class LocalBroker:
+    """One local KRaft broker rooted at `data_dir`."""
+
+    def __init__(
+        self,
+        data_dir: str | Path = ".kafka",
+        port: int = 9092,
+        host: str = "127.0.0.1",
+        version: str = KAFKA_VERSION,
+    ) -> None:
+        self.data_dir = Path(data_dir).resolve()
+        self.port = port
+        self.host = host
+        self.version = version
+
+    @property
+    def state_file(self) -> Path:
+        return self.data_dir / "broker.json"
+
+    @property
+    def log_file(self) -> Path:
+        return self.data_dir / "broker.log"
+
+    def state(self) -> BrokerState | None:
+        try:
+            return BrokerState(**json.loads(self.state_file.read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def running(self) -> BrokerState | None:
+        st = self.state()
+        return st if st is not None and pid_alive(st.pid) else None
+
+    def _log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def _write_config(self, controller_port: int) -> Path:
+        template = (DEPLOY_DIR / "server.properties.template").read_text()
+        props = template.format(
+            host=self.host,
+            advertised_host=self.host,
+            port=self.port,
+            controller_port=controller_port,
+            log_dir=self.data_dir / "kraft-logs",
+        )
+        path = self.data_dir / "server.properties"
+        path.write_text(props)
+        return path
+
+    def _java(self) -> list[str]:
+        java = _require_tool("java", "install a JDK 17+ (e.g. `apt-get install openjdk-17-jdk-headless`)")
+        log4j = DEPLOY_DIR / "log4j2.properties"
+        return [java, *JVM_OPTS, f"-Dlog4j2.configurationFile={log4j}", "-cp", f"{jars_dir(self.version)}/*"]
+
+    def up(self, quiet: bool = False) -> BrokerState:
+        """Start the broker (fetching and formatting first if needed); a no-op if it runs."""
+        st = self.running()
+        if st is not None:
+            if _answers(st.bootstrap):
+                if not quiet:
+                    print(f"Kafka already running (pid {st.pid}) at {st.bootstrap}")
+                return st
+            raise BrokerError(
+                f"a broker process (pid {st.pid}) exists but {st.bootstrap} does not answer; "
+                f"see {self.log_file} or run `stream-rl kafka down`"
+            )
+        fetch_jars(self.version, quiet=quiet)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if not port_is_free(self.port, self.host):
+            raise BrokerError(f"port {self.port} is taken by another process; choose another with --port")
+        old = self.state()
+        controller_port = old.controller_port if old else free_port()
+        if not port_is_free(controller_port):
+            raise BrokerError(f"controller port {controller_port} (recorded in {self.state_file}) is taken")
+        config = self._write_config(controller_port)
+        started = time.monotonic()
+        if not (self.data_dir / "kraft-logs" / "meta.properties").exists():
+            cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+            fmt = subprocess.run(
+                [
+                    *self._java(),
+                    "-Xmx256m",
+                    "kafka.tools.StorageTool",
+                    "format",
+                    "--standalone",
+                    "-t",
+                    cluster_id,
+                    "-c",
+                    str(config),
+                ],
+                capture_output=True,
+                text=True,
+            )
+            if fmt.returncode != 0:
+                raise BrokerError(f"formatting KRaft storage failed:\n{fmt.stdout}{fmt.stderr}")
+        with open(self.log_file, "ab") as logf:
+            proc = subprocess.Popen(
+                [*self._java(), "kafka.Kafka", str(config)],
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        st = BrokerState(
+            pid=proc.pid,
+            port=self.port,
+            controller_port=controller_port,
+            host=self.host,
+            version=self.version,
+            started_at=time.time(),
+        )
+        self.state_file.write_text(json.dumps(asdict(st)))
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not _answers(st.bootstrap, timeout=1.0):
+            if proc.poll() is not None:
+                raise BrokerError(
+                    f"Kafka exited with code {proc.returncode} while starting; "
+                    f"last lines of {self.log_file}:\n{self._log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                self.down(quiet=True)
+                raise BrokerError(
+                    f"Kafka did not answer within {READY_TIMEOUT_S:.0f}s; "
+                    f"last lines of {self.log_file}:\n{self._log_tail()}"
+                )
+            time.sleep(0.2)
+        if not quiet:
+            print(
+                f"Kafka {self.version} up at {st.bootstrap} (pid {st.pid}, "
+                f"{time.monotonic() - started:.1f}s, data in {self.data_dir})"
+            )
+        return st
+
+    def down(self, quiet: bool = False, timeout: float = 30.0) -> bool:
+        """SIGTERM the broker and wait; SIGKILL after `timeout`. Returns whether one was running."""
+        st = self.running()
+        if st is None:
+            if not quiet:
+                print(f"no Kafka broker running from {self.data_dir}")
+            return False
+        os.kill(st.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while pid_alive(st.pid) and time.monotonic() < deadline:
+            _reap(st.pid)
+            time.sleep(0.1)
+        how = "stopped"
+        if pid_alive(st.pid):
+            os.kill(st.pid, signal.SIGKILL)
+            _reap(st.pid)
+            how = f"killed (did not stop within {timeout:.0f}s of SIGTERM)"
+        if not quiet:
+            print(f"Kafka (pid {st.pid}) {how}; data kept in {self.data_dir}")
+        return True
+
+    def status(self) -> str:
+        st = self.state()
+        if st is None:
+            return f"no broker has run from {self.data_dir}"
+        if not pid_alive(st.pid):
+            return f"stopped (last ran as pid {st.pid} at {st.bootstrap}); data in {self.data_dir}"
+        answering = "answering" if _answers(st.bootstrap) else "NOT answering"
+        return f"running: pid {st.pid} at {st.bootstrap}, {answering}; Kafka {st.version}; data in {self.data_dir}"
+
+
+def _reap(pid: int) -> None:
+    """Collect our own exited child (no-op for other processes)."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def resolve_bootstrap(
+    explicit: str | None = None, configured: str | None = None, data_dir: str | Path = ".kafka"
+) -> str:
+    """Bootstrap address: --bootstrap, then the config, then $STREAM_RL_KAFKA_BOOTSTRAP, then the
+    local broker recorded in `data_dir`, then 127.0.0.1:9092."""
+    if explicit:
+        return explicit
+    if configured:
+        return configured
+    env = os.environ.get("STREAM_RL_KAFKA_BOOTSTRAP")
+    if env:
+        return env
+    st = LocalBroker(data_dir).state()
+    return st.bootstrap if st is not None else "127.0.0.1:9092"

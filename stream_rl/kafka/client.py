@@ -1,0 +1,361 @@
+"""The real transport: confluent-kafka (librdkafka) producers, consumers and admin calls."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import confluent_kafka as ck
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from stream_rl.errors import KafkaError
+from stream_rl.kafka.transport import (
+    Headers,
+    Message,
+    RebalanceCallback,
+    TopicPartition,
+)
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+def _fail(what: str, exc: ck.KafkaException) -> KafkaError:
+    return KafkaError(f"{what}: {exc.args[0] if exc.args else exc}")
+
+
+def _headers(headers: Headers | None) -> list[tuple[str, bytes]] | None:
+    if not headers:
+        return None
+    return [(k, v.encode() if isinstance(v, str) else v) for k, v in headers.items()]
+
+
+class KafkaProducer:
+    """Idempotent producer; transactional when given a transactional id."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        client_id: str,
+        transactional_id: str | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        conf: dict[str, Any] = {
+            "bootstrap.servers": bootstrap,
+            "client.id": client_id,
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": 5,
+            "compression.type": "zstd",
+            "message.max.bytes": MAX_MESSAGE_BYTES,
+        }
+        if transactional_id:
+            conf["transactional.id"] = transactional_id
+            conf["transaction.timeout.ms"] = 60000
+        conf.update(extra or {})
+        self._p = ck.Producer(conf)
+        self._errors: list[str] = []
+
+    def _on_delivery(self, err: ck.KafkaError | None, msg: ck.Message) -> None:
+        if err is not None:
+            self._errors.append(f"{msg.topic()}: {err.str()}")
+
+    def produce(
+        self,
+        topic: str,
+        value: bytes | None,
+        key: bytes | str | None = None,
+        headers: Headers | None = None,
+        partition: int | None = None,
+    ) -> None:
+        kwargs: dict[str, Any] = {
+            "value": value,
+            "key": key,
+            "headers": _headers(headers),
+            "on_delivery": self._on_delivery,
+        }
+        if partition is not None:
+            kwargs["partition"] = partition
+        while True:
+            try:
+                self._p.produce(topic, **kwargs)
+                break
+            except BufferError:
+                self._p.poll(0.1)  # local queue full: let deliveries drain
+            except ck.KafkaException as exc:
+                raise _fail(f"produce to {topic}", exc) from exc
+        self._p.poll(0)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        remaining = self._p.flush(timeout)
+        if remaining:
+            raise KafkaError(f"{remaining} records not delivered within {timeout}s (is the broker up?)")
+        if self._errors:
+            errors, self._errors = self._errors, []
+            raise KafkaError(f"{len(errors)} records failed delivery; first: {errors[0]}")
+
+    def init_transactions(self, timeout: float = 30.0) -> None:
+        try:
+            self._p.init_transactions(timeout)
+        except ck.KafkaException as exc:
+            raise _fail("init_transactions", exc) from exc
+
+    def begin_transaction(self) -> None:
+        self._p.begin_transaction()
+
+    def send_offsets_to_transaction(
+        self, offsets: Mapping[TopicPartition, int], group_metadata: Any, timeout: float = 30.0
+    ) -> None:
+        tps = [ck.TopicPartition(t, p, o) for (t, p), o in offsets.items()]
+        self._p.send_offsets_to_transaction(tps, group_metadata, timeout)
+
+    def commit_transaction(self, timeout: float = 30.0) -> None:
+        self._p.commit_transaction(timeout)
+        self._errors.clear()
+
+    def abort_transaction(self, timeout: float = 30.0) -> None:
+        self._p.abort_transaction(timeout)
+        self._errors.clear()
+
+    def close(self) -> None:
+        self._p.flush(5.0)
+
+
+class KafkaConsumer:
+    """Manual-commit, read_committed consumer with cooperative rebalancing."""
+
+    def __init__(
+        self, bootstrap: str, group_id: str | None, client_id: str, extra: Mapping[str, Any] | None = None
+    ) -> None:
+        conf: dict[str, Any] = {
+            "bootstrap.servers": bootstrap,
+            "client.id": client_id,
+            # librdkafka needs a group id even for assign()-only use; it never commits then.
+            "group.id": group_id or f"{client_id}.nogroup",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest",
+            "isolation.level": "read_committed",
+            "partition.assignment.strategy": "cooperative-sticky",
+            "max.partition.fetch.bytes": MAX_MESSAGE_BYTES,
+            "fetch.wait.max.ms": 50,
+            "session.timeout.ms": 10000,
+            "heartbeat.interval.ms": 1000,
+            "max.poll.interval.ms": 600000,
+        }
+        conf.update(extra or {})
+        self._c = ck.Consumer(conf)
+        self._has_group = group_id is not None
+
+    def subscribe(
+        self,
+        topics: list[str],
+        on_assign: RebalanceCallback | None = None,
+        on_revoke: RebalanceCallback | None = None,
+    ) -> None:
+        def assign_cb(consumer: ck.Consumer, parts: list[ck.TopicPartition]) -> None:
+            if on_assign:
+                on_assign([(p.topic, p.partition) for p in parts])
+
+        def revoke_cb(consumer: ck.Consumer, parts: list[ck.TopicPartition]) -> None:
+            if on_revoke:
+                on_revoke([(p.topic, p.partition) for p in parts])
+
+        self._c.subscribe(topics, on_assign=assign_cb, on_revoke=revoke_cb, on_lost=revoke_cb)
+
+    def assign(self, offsets: Mapping[TopicPartition, int]) -> None:
+        self._c.assign([ck.TopicPartition(t, p, o) for (t, p), o in offsets.items()])
+
+    def poll_batch(self, max_records: int, timeout: float) -> list[Message]:
+        try:
+            msgs = self._c.consume(max_records, timeout)
+        except ck.KafkaException as exc:
+            raise _fail("consume", exc) from exc
+        out = []
+        for m in msgs:
+            err = m.error()
+            if err is not None:
+                if err.code() == ck.KafkaError._PARTITION_EOF:
+                    continue
+                if err.code() in (ck.KafkaError.UNKNOWN_TOPIC_OR_PART, ck.KafkaError._UNKNOWN_TOPIC):
+                    raise KafkaError(f"{err.str()} (run `stream-rl topics apply --run <run>` first)")
+                if err.fatal():
+                    raise KafkaError(f"consume: {err.str()}")
+                continue  # transient broker/network errors: librdkafka retries on its own
+            ts_type, ts = m.timestamp()
+            raw_headers = m.headers() or []
+            pairs = raw_headers.items() if isinstance(raw_headers, dict) else raw_headers
+            out.append(
+                Message(
+                    topic=m.topic() or "",
+                    partition=m.partition() or 0,
+                    offset=m.offset() or 0,
+                    key=m.key(),
+                    value=m.value(),
+                    headers=[(k, v if isinstance(v, bytes) else (v or "").encode()) for k, v in pairs],
+                    timestamp_ms=ts if ts_type != ck.TIMESTAMP_NOT_AVAILABLE else 0,
+                )
+            )
+        return out
+
+    def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
+        if not offsets:
+            return
+        try:
+            self._c.commit(
+                offsets=[ck.TopicPartition(t, p, o) for (t, p), o in offsets.items()], asynchronous=False
+            )
+        except ck.KafkaException as exc:
+            raise _fail("commit", exc) from exc
+
+    def committed(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int]:
+        if not partitions:
+            return {}
+        try:
+            res = self._c.committed([ck.TopicPartition(t, p) for t, p in partitions], timeout=30)
+        except ck.KafkaException as exc:
+            raise _fail("committed", exc) from exc
+        return {(r.topic, r.partition): (r.offset if r.offset >= 0 else -1) for r in res}
+
+    def position(self) -> dict[TopicPartition, int]:
+        parts = self._c.assignment()
+        if not parts:
+            return {}
+        return {(r.topic, r.partition): r.offset for r in self._c.position(parts)}
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self._c.seek(ck.TopicPartition(tp[0], tp[1], offset))
+
+    def assignment(self) -> list[TopicPartition]:
+        return [(p.topic, p.partition) for p in self._c.assignment()]
+
+    def group_metadata(self) -> Any:
+        return self._c.consumer_group_metadata()
+
+    def close(self) -> None:
+        self._c.close()
+
+
+class KafkaTransport:
+    """Factory of clients for one cluster, plus the admin calls the stages need."""
+
+    def __init__(self, bootstrap: str) -> None:
+        self.bootstrap = bootstrap
+        self._admin: AdminClient | None = None
+
+    @property
+    def admin(self) -> AdminClient:
+        if self._admin is None:
+            self._admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        return self._admin
+
+    def producer(self, client_id: str, transactional_id: str | None = None) -> KafkaProducer:
+        return KafkaProducer(self.bootstrap, client_id, transactional_id)
+
+    def consumer(self, group_id: str | None, client_id: str) -> KafkaConsumer:
+        return KafkaConsumer(self.bootstrap, group_id, client_id)
+
+    def partitions(self, topic: str, timeout: float = 10.0) -> list[int]:
+        try:
+            md = self.admin.list_topics(topic=topic, timeout=timeout)
+        except ck.KafkaException as exc:
+            raise _fail(f"describe {topic}", exc) from exc
+        t = md.topics.get(topic)
+        if t is None or t.error is not None:
+            raise KafkaError(f"topic {topic} does not exist (run `stream-rl topics apply --run <run>`)")
+        return sorted(t.partitions)
+
+    def watermarks(self, topic: str) -> dict[int, tuple[int, int]]:
+        from confluent_kafka.admin import OffsetSpec
+
+        parts = self.partitions(topic)
+        out: dict[int, tuple[int, int]] = {}
+        for spec_name, idx in (("earliest", 0), ("latest", 1)):
+            spec = OffsetSpec.earliest() if spec_name == "earliest" else OffsetSpec.latest()
+            futs = self.admin.list_offsets(
+                {ck.TopicPartition(topic, p): spec for p in parts},
+                isolation_level=ck.IsolationLevel.READ_COMMITTED,
+                request_timeout=15,
+            )
+            for tp, fut in futs.items():
+                try:
+                    off = fut.result().offset
+                except ck.KafkaException as exc:
+                    raise _fail(f"list offsets of {topic}", exc) from exc
+                low, high = out.get(tp.partition, (0, 0))
+                out[tp.partition] = (off, high) if idx == 0 else (low, off)
+        return out
+
+    def group_offsets(self, group_id: str, topic: str) -> dict[int, int]:
+        from confluent_kafka import ConsumerGroupTopicPartitions
+
+        parts = self.partitions(topic)
+        req = ConsumerGroupTopicPartitions(group_id, [ck.TopicPartition(topic, p) for p in parts])
+        futs = self.admin.list_consumer_group_offsets([req], request_timeout=15)
+        out = {p: -1 for p in parts}
+        for fut in futs.values():
+            try:
+                res = fut.result()
+            except ck.KafkaException as exc:
+                raise _fail(f"offsets of group {group_id}", exc) from exc
+            for tp in res.topic_partitions:
+                if tp.error is None and tp.offset >= 0:
+                    out[tp.partition] = tp.offset
+        return out
+
+    def create_topics(self, topics: list[tuple[str, int, dict[str, str]]]) -> list[str]:
+        if not topics:
+            return []
+        new = [
+            NewTopic(name, num_partitions=parts, replication_factor=1, config=conf)
+            for name, parts, conf in topics
+        ]
+        created = []
+        for name, fut in self.admin.create_topics(new, operation_timeout=30, request_timeout=30).items():
+            try:
+                fut.result()
+                created.append(name)
+            except ck.KafkaException as exc:
+                if exc.args[0].code() != ck.KafkaError.TOPIC_ALREADY_EXISTS:
+                    raise _fail(f"create topic {name}", exc) from exc
+        if created:
+            self._wait_for_leaders(created)
+        return created
+
+    def _wait_for_leaders(self, topics: list[str], timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        pending = set(topics)
+        while pending and time.monotonic() < deadline:
+            md = self.admin.list_topics(timeout=5)
+            for name in list(pending):
+                t = md.topics.get(name)
+                if (
+                    t is not None
+                    and t.error is None
+                    and t.partitions
+                    and all(p.leader >= 0 for p in t.partitions.values())
+                ):
+                    pending.discard(name)
+            if pending:
+                time.sleep(0.1)
+        if pending:
+            raise KafkaError(f"topics without a leader after {timeout}s: {sorted(pending)}")
+
+    def topic_configs(self, topics: list[str]) -> dict[str, dict[str, str]]:
+        from confluent_kafka.admin import ConfigResource
+
+        res = [ConfigResource(ConfigResource.Type.TOPIC, t) for t in topics]
+        out: dict[str, dict[str, str]] = {}
+        for r, fut in self.admin.describe_configs(res, request_timeout=15).items():
+            try:
+                entries = fut.result()
+            except ck.KafkaException as exc:
+                raise _fail(f"describe configs of {r.name}", exc) from exc
+            out[r.name] = {k: v.value for k, v in entries.items()}
+        return out
+
+    def list_topic_names(self) -> list[str]:
+        try:
+            return sorted(self.admin.list_topics(timeout=10).topics)
+        except ck.KafkaException as exc:
+            raise _fail("list topics", exc) from exc

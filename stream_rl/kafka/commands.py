@@ -1,0 +1,110 @@
+"""CLI commands of the Kafka layer: `kafka`, `topics`, `lag`."""
+
+from __future__ import annotations
+
+import argparse
+
+from stream_rl.cli import add_common
+from stream_rl.config import DEFAULT_PREFIX, load_config
+from stream_rl.errors import StreamRLError
+from stream_rl.kafka.broker import KAFKA_VERSION, LocalBroker, fetch_jars, resolve_bootstrap
+from stream_rl.kafka.topics import TopicNames, apply_topics, publish_schemas
+
+
+def add_kafka_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["fetch", "up", "down", "status"])
+    p.add_argument("--data-dir", default=".kafka", help="broker data dir (default .kafka)")
+    p.add_argument("--port", type=int, default=9092, help="client port (default 9092)")
+    p.add_argument("--quiet", action="store_true")
+
+
+def main_kafka(args: argparse.Namespace) -> int:
+    broker = LocalBroker(args.data_dir, port=args.port)
+    if args.action == "fetch":
+        lib = fetch_jars(quiet=args.quiet)
+        if not args.quiet:
+            print(f"Kafka {KAFKA_VERSION} jars in {lib}")
+    elif args.action == "up":
+        st = broker.up(quiet=args.quiet)
+        print(st.bootstrap)
+    elif args.action == "down":
+        broker.down(quiet=args.quiet)
+    else:
+        print(broker.status())
+    return 0
+
+
+def _names(args: argparse.Namespace) -> tuple[TopicNames, str, int | None]:
+    cfg = load_config(args.config, args.overrides) if args.config or args.overrides else None
+    run = args.run or (cfg.run if cfg else None)
+    if not run:
+        raise StreamRLError("which run? pass --run R (or --config with a `run:` name)")
+    prefix = args.prefix or (cfg.kafka.prefix if cfg else DEFAULT_PREFIX)
+    bootstrap = resolve_bootstrap(args.bootstrap, cfg.kafka.bootstrap if cfg else None)
+    return TopicNames(run=run, prefix=prefix), bootstrap, (cfg.kafka.partitions if cfg else None)
+
+
+def add_topics_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["apply", "list"])
+    p.add_argument("--run", help="run name (topic namespace)")
+    p.add_argument("--prefix", default=None, help=f"topic prefix (default {DEFAULT_PREFIX})")
+    p.add_argument("--partitions", type=int, default=None, help="partitions of the scalable topics")
+    add_common(p)
+
+
+def main_topics(args: argparse.Namespace) -> int:
+    from stream_rl.kafka.client import KafkaTransport
+
+    if args.action == "list" and not args.run and not args.config:
+        transport = KafkaTransport(resolve_bootstrap(args.bootstrap))
+        prefix = (args.prefix or DEFAULT_PREFIX) + "."
+        _print_counts(transport, [t for t in transport.list_topic_names() if t.startswith(prefix)])
+        return 0
+    names, bootstrap, partitions = _names(args)
+    transport = KafkaTransport(bootstrap)
+    if args.action == "apply":
+        report = apply_topics(transport, names, args.partitions or partitions)
+        n = publish_schemas(transport, names)
+        print(
+            f"run {names.run} on {bootstrap}: {len(report.created)} topics created, "
+            f"{len(report.existing)} already there; {n} schemas published to {names.topic('_schemas')}"
+        )
+        for line in report.drift:
+            print(f"  differs from topology: {line}")
+        return 1 if report.drift else 0
+    wanted = [t[0] for t in names.all_topics()]
+    existing = set(transport.list_topic_names())
+    _print_counts(transport, [t for t in wanted if t in existing])
+    missing = [t for t in wanted if t not in existing]
+    if missing:
+        print(f"missing (run `stream-rl topics apply --run {names.run}`): {', '.join(missing)}")
+    return 0
+
+
+def _print_counts(transport: object, topics: list[str]) -> None:
+    from stream_rl.kafka.client import KafkaTransport
+
+    assert isinstance(transport, KafkaTransport)
+    rows = [("topic", "partitions", "records")]
+    for t in topics:
+        marks = transport.watermarks(t)
+        rows.append((t, str(len(marks)), str(sum(h - lo for lo, h in marks.values()))))
+    width = max(len(r[0]) for r in rows)
+    for r in rows:
+        print(f"{r[0]:<{width}}  {r[1]:>10}  {r[2]:>8}")
+
+
+def add_lag_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", help="run name")
+    p.add_argument("--prefix", default=None)
+    p.add_argument("--no-age", action="store_true", help="skip reading the oldest record's timestamp")
+    add_common(p)
+
+
+def main_lag(args: argparse.Namespace) -> int:
+    from stream_rl.kafka.client import KafkaTransport
+    from stream_rl.kafka.lag import format_lags, run_lags
+
+    names, bootstrap, _ = _names(args)
+    print(format_lags(run_lags(KafkaTransport(bootstrap), names, with_age=not args.no_age)))
+    return 0

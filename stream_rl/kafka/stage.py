@@ -1,0 +1,339 @@
+"""The consume-process-produce loop, written once and used by every stage.
+
+    poll a batch -> decode (undecodable/invalid -> DLQ) -> handle(batch) -> produce outputs
+    -> at-least-once: flush, then commit the batch's offsets
+    -> exactly-once:  produce and offsets in one Kafka transaction
+
+Offsets are committed only after the outputs are acknowledged, so a crash re-processes
+(at-least-once; downstream drops duplicates by id) or re-runs an aborted transaction
+(exactly-once). SIGTERM drains: the batch in hand is finished and committed, then the loop
+closes its clients. Runs can be bounded by record count or idle time (tests drive real
+stages to completion without sleeps).
+
+Stages whose work completes out of order (the actor) use `OffsetTracker` with the same
+transport instead of `StageLoop`.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from stream_rl.contracts import Contract, now_ms
+from stream_rl.errors import ContractError, KafkaError
+from stream_rl.kafka.serde import Serde, default_serde
+from stream_rl.kafka.transport import Consumer, Message, Producer, TopicPartition, Transport
+from stream_rl.metrics import BATCH_SECONDS, DLQ, RECORDS_IN, RECORDS_OUT
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T", bound=Contract)
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT (or by a test); loops check it between batches."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.reason = ""
+
+    def set(self, reason: str = "stop requested") -> None:
+        self.reason = reason
+        self._event.set()
+
+    def __bool__(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._event.wait(timeout)
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT set the flag (main thread only); a second SIGINT raises."""
+
+        def handler(signum: int, _frame: Any) -> None:
+            if self and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self.set(f"received {signal.Signals(signum).name}")
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+
+@dataclass(slots=True)
+class Incoming(Generic[T]):
+    """A consumed record and its decoded value."""
+
+    msg: Message
+    value: T
+
+
+@dataclass(slots=True)
+class Output:
+    """A record to produce. `value` is a contract object (encoded by the loop) or raw bytes."""
+
+    topic: str
+    value: Contract | bytes | None
+    key: str | bytes | None = None
+    headers: dict[str, str | bytes] | None = None
+    partition: int | None = None
+
+
+@dataclass(slots=True)
+class Reject:
+    """Returned by a handler for a record it cannot process: it goes to the DLQ with `reason`."""
+
+    incoming: Incoming[Any]
+    reason: str
+
+
+def dlq_headers(msg: Message, stage: str, error: str) -> dict[str, str | bytes]:
+    return {
+        "error": error[:2000],
+        "error.stage": stage,
+        "error.time_ms": str(now_ms()),
+        "original.topic": msg.topic,
+        "original.partition": str(msg.partition),
+        "original.offset": str(msg.offset),
+    }
+
+
+def next_offsets(msgs: Iterable[Message]) -> dict[TopicPartition, int]:
+    """The offsets to commit after processing `msgs`: last offset + 1 per partition."""
+    out: dict[TopicPartition, int] = {}
+    for m in msgs:
+        if m.offset + 1 > out.get(m.tp, -1):
+            out[m.tp] = m.offset + 1
+    return out
+
+
+@dataclass
+class StageStats:
+    records_in: int = 0
+    records_out: int = 0
+    dlq: int = 0
+    batches: int = 0
+    stopped_by: str = ""
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+Handler = Callable[[list[Incoming[T]]], Iterable[Output | Reject]]
+
+
+class StageLoop(Generic[T]):
+    """One stage's loop over one input topic. See the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        transport: Transport,
+        group: str,
+        input_topic: str,
+        input_type: type[T],
+        handle: Handler[T],
+        dlq_topic: str | None,
+        client_id: str | None = None,
+        transactional_id: str | None = None,
+        serde: Serde | None = None,
+        batch_size: int = 64,
+        poll_timeout_s: float = 0.2,
+        on_assign: Callable[[list[TopicPartition]], None] | None = None,
+        on_revoke: Callable[[list[TopicPartition]], None] | None = None,
+        on_idle: Callable[[], Iterable[Output | Reject]] | None = None,
+        before_poll: Callable[[], None] | None = None,
+        stop: StopFlag | None = None,
+    ) -> None:
+        self.name = name
+        self.input_topic = input_topic
+        self.input_type = input_type
+        self.handle = handle
+        self.dlq_topic = dlq_topic
+        self.serde = serde or default_serde()
+        self.batch_size = batch_size
+        self.poll_timeout_s = poll_timeout_s
+        self.on_idle = on_idle
+        self.before_poll = before_poll
+        self.stop = stop or StopFlag()
+        self.transactional = transactional_id is not None
+        self.stats = StageStats()
+        client_id = client_id or name
+        self.consumer: Consumer = transport.consumer(group, client_id)
+        self.producer: Producer = transport.producer(client_id, transactional_id)
+        self._user_on_assign = on_assign
+        self._user_on_revoke = on_revoke
+        if self.transactional:
+            self.producer.init_transactions()
+
+    # -- producing -------------------------------------------------------------------------
+    def _produce(self, out: Output) -> None:
+        value = out.value
+        if value is not None and not isinstance(value, bytes):
+            value = self.serde.encode(value)
+        self.producer.produce(out.topic, value, key=out.key, headers=out.headers, partition=out.partition)
+        RECORDS_OUT.labels(self.name, out.topic).inc()
+        self.stats.records_out += 1
+
+    def _to_dlq(self, msg: Message, error: str) -> None:
+        log.warning("%s: record %s[%d]@%d to DLQ: %s", self.name, msg.topic, msg.partition, msg.offset, error)
+        if self.dlq_topic is None:
+            raise ContractError(f"{self.name}: bad record and no DLQ configured: {error}")
+        self.producer.produce(
+            self.dlq_topic, msg.value, key=msg.key, headers=dlq_headers(msg, self.name, error)
+        )
+        DLQ.labels(self.name, msg.topic).inc()
+        self.stats.dlq += 1
+
+    def _emit(self, results: Iterable[Output | Reject]) -> None:
+        for r in results:
+            if isinstance(r, Reject):
+                self._to_dlq(r.incoming.msg, r.reason)
+            else:
+                try:
+                    self._produce(r)
+                except ContractError as exc:
+                    # Our own output broke its contract: a bug, not bad input. Fail loudly.
+                    raise ContractError(f"{self.name} produced an invalid {r.topic} record: {exc}") from exc
+
+    # -- one batch -------------------------------------------------------------------------
+    def _decode(self, msgs: Sequence[Message]) -> list[Incoming[T]]:
+        good: list[Incoming[T]] = []
+        for m in msgs:
+            RECORDS_IN.labels(self.name, m.topic).inc()
+            try:
+                good.append(Incoming(m, self.serde.decode(m.value, self.input_type)))
+            except ContractError as exc:
+                self._to_dlq(m, str(exc))
+        return good
+
+    def _process(self, msgs: list[Message]) -> None:
+        started = time.perf_counter()
+        if self.transactional:
+            self.producer.begin_transaction()
+            try:
+                self._emit(self.handle(self._decode(msgs)))
+                self.producer.send_offsets_to_transaction(next_offsets(msgs), self.consumer.group_metadata())
+                self.producer.commit_transaction()
+            except BaseException:
+                self._abort()
+                raise
+        else:
+            self._emit(self.handle(self._decode(msgs)))
+            self.producer.flush()
+            self.consumer.commit(next_offsets(msgs))
+        self.stats.records_in += len(msgs)
+        self.stats.batches += 1
+        BATCH_SECONDS.labels(self.name).observe(time.perf_counter() - started)
+
+    def _abort(self) -> None:
+        try:
+            self.producer.abort_transaction()
+        except Exception as exc:  # noqa: BLE001 - the original error is the one to report
+            log.error("%s: abort_transaction failed: %s", self.name, exc)
+
+    def _idle(self) -> None:
+        if self.on_idle is None:
+            return
+        if self.transactional:
+            self.producer.begin_transaction()
+            try:
+                self._emit(self.on_idle())
+                self.producer.commit_transaction()
+            except BaseException:
+                self._abort()
+                raise
+        else:
+            self._emit(self.on_idle())
+            self.producer.flush()
+
+    # -- the loop --------------------------------------------------------------------------
+    def run(self, max_records: int | None = None, idle_timeout_s: float | None = None) -> StageStats:
+        """Run until stopped, `max_records` consumed, or `idle_timeout_s` without input."""
+        self.consumer.subscribe(
+            [self.input_topic], on_assign=self._user_on_assign, on_revoke=self._user_on_revoke
+        )
+        last_input = time.monotonic()
+        try:
+            while not self.stop:
+                if max_records is not None and self.stats.records_in >= max_records:
+                    self.stats.stopped_by = "max_records"
+                    break
+                if self.before_poll:
+                    self.before_poll()
+                want = self.batch_size
+                if max_records is not None:
+                    want = min(want, max_records - self.stats.records_in)
+                msgs = self.consumer.poll_batch(want, self.poll_timeout_s)
+                if msgs:
+                    self._process(msgs)
+                    last_input = time.monotonic()
+                    continue
+                self._idle()
+                if idle_timeout_s is not None and time.monotonic() - last_input >= idle_timeout_s:
+                    self.stats.stopped_by = "idle_timeout"
+                    break
+            else:
+                self.stats.stopped_by = self.stop.reason or "stopped"
+        finally:
+            self.close()
+        return self.stats
+
+    def close(self) -> None:
+        try:
+            self.producer.close()
+        finally:
+            self.consumer.close()
+
+
+class OffsetTracker:
+    """Commit bookkeeping for out-of-order completion: offsets become committable only when
+    every earlier offset of the partition is done. `committable()` returns, per partition,
+    the next offset after the longest done prefix."""
+
+    def __init__(self) -> None:
+        self._pending: dict[TopicPartition, dict[int, bool]] = {}
+        self._next: dict[TopicPartition, int] = {}
+        self._lock = threading.Lock()
+
+    def started(self, msg: Message) -> None:
+        with self._lock:
+            self._pending.setdefault(msg.tp, {})[msg.offset] = False
+            self._next.setdefault(msg.tp, msg.offset)
+
+    def done(self, msg: Message) -> None:
+        with self._lock:
+            part = self._pending.get(msg.tp)
+            if part is None or msg.offset not in part:
+                raise KafkaError(f"offset {msg.offset} of {msg.tp} was never started")
+            part[msg.offset] = True
+
+    def committable(self) -> dict[TopicPartition, int]:
+        """Advance over done offsets and return the new commit points (only those that moved)."""
+        out: dict[TopicPartition, int] = {}
+        with self._lock:
+            for tp, part in self._pending.items():
+                moved = False
+                for off in sorted(part):
+                    if not part[off]:
+                        break
+                    del part[off]
+                    self._next[tp] = off + 1
+                    moved = True
+                if moved:
+                    out[tp] = self._next[tp]
+        return out
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return sum(1 for part in self._pending.values() for done in part.values() if not done)
+
+    def forget(self, partitions: Iterable[TopicPartition]) -> None:
+        """Drop the bookkeeping of revoked partitions (their work will be redone elsewhere)."""
+        with self._lock:
+            for tp in partitions:
+                self._pending.pop(tp, None)
+                self._next.pop(tp, None)
