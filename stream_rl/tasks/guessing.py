@@ -34,11 +34,6 @@ from stream_rl.tasks.sequence import TurnSequence
 Outcome = Literal["correct", "no_answer", "out_of_turns"]
 _GUESS = re.compile(r"<answer>\s*(\d+)\s*</answer>")
 _MARKER = re.compile(r"\[game over: (correct|no_answer|out_of_turns), turn (\d+)\]")
-_VERDICTS: dict[str, Verdict] = {
-    "correct": Verdict.CORRECT,
-    "no_answer": Verdict.NO_ANSWER,
-    "out_of_turns": Verdict.WRONG,
-}
 
 
 class GuessingParams(TaskParams):
