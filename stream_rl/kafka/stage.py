@@ -158,7 +158,7 @@ class StageLoop(Generic[T]):
         self.poll_timeout_s = poll_timeout_s
         self.on_idle = on_idle
         self.before_poll = before_poll
-        self.stop = stop or StopFlag()
+        self.stop = stop if stop is not None else StopFlag()
         self.transactional = transactional_id is not None
         self.stats = StageStats()
         client_id = client_id or name
