@@ -342,6 +342,8 @@ class TrainingBatch:
     samples: list[TrainingSample]
     producer_id: str
     created_ms: int = field(default_factory=now_ms)
+    num_filtered: int = 0
+    """Zero-advantage samples dropped since the previous batch (consumed, never trained)."""
 
     @property
     def num_samples(self) -> int:
@@ -368,6 +370,7 @@ class TrainingBatch:
             "num_tokens": self.num_tokens,
             "min_version": self.min_version,
             "max_version": self.max_version,
+            "num_filtered": self.num_filtered,
             "producer_id": self.producer_id,
             "created_ms": self.created_ms,
         }
@@ -380,6 +383,7 @@ class TrainingBatch:
             samples=[TrainingSample.from_dict(s) for s in d["samples"]],
             producer_id=d["producer_id"],
             created_ms=d["created_ms"],
+            num_filtered=d.get("num_filtered", 0),
         )
         _require(
             d["num_samples"] == batch.num_samples and d["num_tokens"] == batch.num_tokens,
@@ -388,7 +392,8 @@ class TrainingBatch:
         return batch
 
     def validate(self) -> None:
-        _require(bool(self.samples), f"TrainingBatch {self.batch_id} has no samples")
+        _require(bool(self.samples) or self.num_filtered > 0, f"TrainingBatch {self.batch_id} has no samples")
+        _require(self.num_filtered >= 0, f"TrainingBatch {self.batch_id}: num_filtered is negative")
         for s in self.samples:
             s.validate()
 
@@ -418,6 +423,8 @@ class WeightVersion:
     samples_trained: int
     tokens_trained: int
     checksum: str
+    samples_filtered: int = 0
+    """Cumulative zero-advantage samples consumed without training."""
     consumed_offsets: list[PartitionOffset] = field(default_factory=list)
     broadcast_ms: float = 0.0
     servers_updated: list[str] = field(default_factory=list)
@@ -434,6 +441,7 @@ class WeightVersion:
             "kind": self.kind.value,
             "samples_trained": self.samples_trained,
             "tokens_trained": self.tokens_trained,
+            "samples_filtered": self.samples_filtered,
             "checksum": self.checksum,
             "consumed_offsets": [o.to_dict() for o in self.consumed_offsets],
             "broadcast_ms": self.broadcast_ms,
@@ -453,6 +461,7 @@ class WeightVersion:
             kind=WeightVersionKind(d["kind"]),
             samples_trained=d["samples_trained"],
             tokens_trained=d["tokens_trained"],
+            samples_filtered=d.get("samples_filtered", 0),
             checksum=d["checksum"],
             consumed_offsets=[PartitionOffset.from_dict(o) for o in d["consumed_offsets"]],
             broadcast_ms=d["broadcast_ms"],
@@ -462,6 +471,11 @@ class WeightVersion:
             created_ms=d["created_ms"],
             metrics=dict(d.get("metrics") or {}),
         )
+
+    @property
+    def samples_consumed(self) -> int:
+        """Samples the trainer has taken off the stream: trained or filtered."""
+        return self.samples_trained + self.samples_filtered
 
     def validate(self) -> None:
         _require(self.version >= 0, "WeightVersion.version is negative")
