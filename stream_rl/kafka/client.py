@@ -51,7 +51,9 @@ class KafkaProducer:
         }
         if transactional_id:
             conf["transactional.id"] = transactional_id
-            conf["transaction.timeout.ms"] = 60000
+            # Short: a killed instance that is not restarted under the same id blocks read_committed
+            # consumers (the LSO) until its open transaction times out.
+            conf["transaction.timeout.ms"] = 15000
         conf.update(extra or {})
         self._p = ck.Producer(conf)
         self._errors: list[str] = []
