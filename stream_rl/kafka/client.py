@@ -305,6 +305,14 @@ class KafkaTransport:
                     out[tp.partition] = tp.offset
         return out
 
+    def group_members(self, group_id: str) -> int:
+        futs = self.admin.describe_consumer_groups([group_id], request_timeout=15)
+        try:
+            desc = futs[group_id].result()
+        except ck.KafkaException as exc:
+            raise _fail(f"describe group {group_id}", exc) from exc
+        return len(desc.members or [])
+
     def create_topics(self, topics: list[tuple[str, int, dict[str, str]]]) -> list[str]:
         if not topics:
             return []
