@@ -545,6 +545,5 @@ class PartialGroup:
 
 
 CONTRACTS: dict[str, type[Contract]] = {
-    cls.SCHEMA: cls
-    for cls in (Problem, Rollout, ScoredRollout, TrainingBatch, WeightVersion, PartialGroup)
+    cls.SCHEMA: cls for cls in (Problem, Rollout, ScoredRollout, TrainingBatch, WeightVersion, PartialGroup)
 }

@@ -107,7 +107,9 @@ def test_restart_resumes_from_committed_offsets() -> None:
     assert len(admit_all(adm, 6)) == 2
 
 
-@pytest.mark.parametrize("mode,max_lag", [("pipeline", 0), ("pipeline", 1), ("pipeline", 3), ("conventional", 2)])
+@pytest.mark.parametrize(
+    "mode,max_lag", [("pipeline", 0), ("pipeline", 1), ("pipeline", 3), ("conventional", 2)]
+)
 def test_simulated_pipeline_never_exceeds_max_lag(mode: str, max_lag: int) -> None:
     """An event simulation: groups take random times to generate and reach the trainer in the
     order they finish (overtaking while generating); the trainer steps every S samples."""
