@@ -146,9 +146,6 @@ class VerifierConfig(Model):
     """Scoring processes (0 = score in the stage process, without timeouts enforcement by kill)."""
     batch_size: int = Field(64, ge=1)
     """Records scored per poll."""
-    max_restarts_per_batch: int = Field(8, ge=1)
-    """Worker processes replaced (hung or crashed) within one batch before the stage gives up: a
-    pool that cannot score anything is a broken environment, not a bad sample."""
 
 
 class PreprocessorConfig(Model):
