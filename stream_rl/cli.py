@@ -22,6 +22,8 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("actor", "stream_rl.stages.actor", "sample groups of rollouts from the inference servers"),
     ("verifier", "stream_rl.stages.verifier", "score rollouts with the task's reward function"),
     ("preprocessor", "stream_rl.stages.preprocessor", "complete groups -> advantages -> micro-batches"),
+    ("run", "stream_rl.launch", "launch a whole run from a config: broker, topics, servers, stages"),
+    ("report", "stream_rl.report", "re-derive a finished run's summary.json and plots"),
 ]
 
 
