@@ -25,6 +25,9 @@ def _fail(what: str, exc: ck.KafkaException) -> KafkaError:
     return KafkaError(f"{what}: {exc.args[0] if exc.args else exc}")
 
 
+_LEADERSHIP = (ck.KafkaError.NOT_LEADER_FOR_PARTITION, ck.KafkaError.LEADER_NOT_AVAILABLE)
+
+
 def _retry_transient(fn: Callable[[], T], what: str, timeout: float = 15.0) -> T:
     """Retry an admin call on retriable errors (e.g. leader elections right after a restart)."""
     deadline = time.monotonic() + timeout
@@ -33,7 +36,9 @@ def _retry_transient(fn: Callable[[], T], what: str, timeout: float = 15.0) -> T
             return fn()
         except ck.KafkaException as exc:
             err = exc.args[0] if exc.args else None
-            retriable = isinstance(err, ck.KafkaError) and err.retriable()
+            # Leadership errors right after topic creation or a restart are not flagged retriable
+            # by every admin call, but they pass once the metadata settles.
+            retriable = isinstance(err, ck.KafkaError) and (err.retriable() or err.code() in _LEADERSHIP)
             if not retriable or time.monotonic() > deadline:
                 raise _fail(what, exc) from exc
             time.sleep(0.2)

@@ -103,11 +103,13 @@ class ScoringPool:
             if worker.conn.poll(left) and worker.conn.recv() == ("ready", None):
                 worker.ready = True
                 return
+            what = f"did not start within {STARTUP_TIMEOUT_S:g}s"
         except (EOFError, OSError):
-            pass
+            worker.process.join(5)
+            what = f"exited at start (exit code {worker.process.exitcode}; its stderr says why)"
         raise TaskError(
-            f"a scoring process for task {self.task.name!r} did not start within {STARTUP_TIMEOUT_S:g}s "
-            f"(exit code {worker.process.exitcode}); is the task importable in a fresh process?"
+            f"a scoring process for task {self.task.name!r} {what}; the task must be importable in a "
+            "fresh process, and a script that starts the verifier needs `if __name__ == '__main__':`"
         )
 
     def _replace(self, worker: _Worker) -> None:
