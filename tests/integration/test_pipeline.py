@@ -14,13 +14,13 @@ from fakes.inference import END, FakeServer, arithmetic_reply, factory, render
 from fakes.trainer import FakeTrainer
 from stage_helpers import StageThread, make_config, publish_version, read, wait_for
 
-from stream_rl.contracts import Problem, TrainingBatch, TrainingSample, Verdict
+from stream_rl.contracts import Problem, ScoredRollout, TrainingBatch, TrainingSample, Verdict
 from stream_rl.kafka.client import KafkaTransport
 from stream_rl.kafka.serde import default_serde
-from stream_rl.kafka.topics import PROBLEMS, TRAINING_BATCHES, TopicNames
+from stream_rl.kafka.topics import PROBLEMS, SCORED, TRAINING_BATCHES, TopicNames
 from stream_rl.rl.advantages import compute_advantages
 from stream_rl.stages import actor, loader, preprocessor, verifier
-from stream_rl.stages.rollouts import sample_seed
+from stream_rl.stages.rollouts import ChatTokenizer, sample_seed
 from stream_rl.tasks import get_task
 from stream_rl.testing import f32
 
@@ -43,6 +43,7 @@ def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         "stream_rl.inference.testing", reason="the inference server is not on this branch yet"
     )
     import torch
+
     from stream_rl.inference.engine import Engine
     from stream_rl.inference.model_maker import make_model
     from stream_rl.inference.testing import ServerThread
@@ -75,6 +76,7 @@ def inference(request: pytest.FixtureRequest) -> Inference:
         }
         engine.swap_weights(v, same).result(timeout=60)
 
+    install(0)  # the server outlives the test: each run starts at version 0
     return Inference("real", [server.url], None, install, server.model_path)
 
 
@@ -111,6 +113,11 @@ def test_stages_turn_problems_into_the_right_training_batches(
         p.problem_id: p for p in (serde.decode(m.value, Problem) for m in read(kafka, run_names[PROBLEMS]))
     }
     task = get_task("arithmetic", {"num_problems": 6, "max_operand": 9})
+    scored = {
+        x.rollout.rollout_id: x
+        for x in (serde.decode(m.value, ScoredRollout) for m in read(kafka, run_names[SCORED]))
+    }
+    tokenizer = None if inference.kind == "fake" else ChatTokenizer(inference.model_path)
     groups: dict[str, list[TrainingSample]] = {}
     for s in samples:
         groups.setdefault(s.group_id, []).append(s)
@@ -120,22 +127,27 @@ def test_stages_turn_problems_into_the_right_training_batches(
         problem = problems[gid.rsplit(".e", 1)[0]]
         for s in members:
             completion = s.input_ids[s.prompt_len :]
+            rollout = scored[s.rollout_id].rollout
             assert s.loss_mask == [True] * len(completion)  # every sampled token, EOS included
             assert len(s.behaviour_logprobs) == len(completion) and all(
                 lp <= 0 for lp in s.behaviour_logprobs
             )
-            assert [sp.version for sp in s.version_spans] == [0]
-            if inference.kind == "fake":
+            assert s.behaviour_logprobs == rollout.logprobs and [sp.version for sp in s.version_spans] == [0]
+            # The reward is the task's verdict on the completion's text.
+            assert s.reward == task.score(problem, rollout.text, finish_reason=rollout.finish_reason).reward
+            assert s.reward == scored[s.rollout_id].reward and s.verdict == scored[s.rollout_id].verdict
+            if tokenizer is None:
                 # The fake policy is known: right unless the request seed is a multiple of 3.
                 expected = arithmetic_reply(
                     problem.prompt[-1].content, sample_seed(config.seed, s.rollout_id)
                 )
-                assert completion == [*map(ord, expected), END]
+                assert completion == [*map(ord, expected), END] and rollout.text == expected
                 assert s.input_ids[: s.prompt_len] == render([m.to_dict() for m in problem.prompt])
                 assert s.reward == (1.0 if expected == problem.answer else 0.0)
-            text = "".join(map(chr, completion[:-1])) if inference.kind == "fake" else None
-            if text is not None:
-                assert task.score(problem, text).reward == s.reward
+            else:
+                assert s.input_ids[: s.prompt_len] == tokenizer.render(problem.prompt)
+                assert tokenizer.decode(completion) == rollout.text
+                assert len(completion) <= 6 and (rollout.finish_reason == "length" or len(completion) >= 1)
         rewards = [s.reward for s in members]
         for s, adv in zip(members, compute_advantages(rewards), strict=True):
             assert s.advantages == [f32(adv)] * len(s.advantages)
