@@ -38,30 +38,30 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import Counter, Gauge
 
 from stream_rl.config import RunConfig
-from stream_rl.contracts import Problem, Rollout, now_ms
-from stream_rl.errors import ConfigError, ContractError, KafkaError
+from stream_rl.contracts import Problem, Rollout
+from stream_rl.errors import ContractError, KafkaError
 from stream_rl.kafka.follower import VersionFollower
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.stage import OffsetTracker, StageStats, StopFlag, dlq_headers
 from stream_rl.kafka.topics import PROBLEMS, RAW_ROLLOUTS, TopicNames
 from stream_rl.kafka.transport import Message, TopicPartition, Transport
 from stream_rl.metrics import DLQ, RECORDS_IN, RECORDS_OUT
-from stream_rl.stages.admission import Admission, GroupView, Key
+from stream_rl.stages.admission import Admission, Key, read_group_view
 from stream_rl.stages.entry import add_stage_arguments, open_transport, run_stage_command
-from stream_rl.stages.rollouts import (
-    ChatTokenizer,
-    TurnClient,
-    rollout_from_completion,
-    rollout_from_turns,
-    sample_seed,
+from stream_rl.stages.rollouts import ChatTokenizer, Sampler, sample_seed
+from stream_rl.stages.routing import (
+    ClientFactory,
+    RequestRejected,
+    Server,
+    ServerPool,
+    inference_client_factory,
+    server_urls,
 )
-from stream_rl.stages.routing import RequestRejected, Server, ServerPool
 from stream_rl.tasks import get_task
 
 log = logging.getLogger(__name__)
@@ -75,27 +75,6 @@ SERVER_LIVE = Gauge("stream_rl_actor_server_live", "1 while a server is in routi
 
 POLL_BATCH = 16
 COMMIT_EVERY_S = 0.05
-
-ClientFactory = Callable[[str], Any]
-
-
-def server_urls(config: RunConfig) -> list[str]:
-    inf = config.inference
-    if inf.servers:
-        return [s.url for s in inf.servers]
-    if inf.num_servers <= 0:
-        raise ConfigError("inference: no servers (set inference.servers or inference.num_servers)")
-    return [f"http://{inf.host}:{inf.base_port + i}" for i in range(inf.num_servers)]
-
-
-def inference_client_factory(config: RunConfig) -> ClientFactory:
-    """The real HTTP client of `stream_rl.inference.client`, one per server."""
-    from stream_rl.inference.client import InferenceClient
-
-    def make(url: str) -> Any:
-        return InferenceClient(url, timeout_s=config.actor.request_timeout_s)
-
-    return make
 
 
 class Actor:
@@ -124,6 +103,7 @@ class Actor:
         if tokenizer is None and self.task.multi_turn:
             tokenizer = ChatTokenizer(config.model.path)
         self.tokenizer = tokenizer
+        self.sampler = Sampler(self.task, tokenizer, self.cfg.sampling, self.actor_id)
         self.admission = Admission.for_config(
             config.mode, self.cfg.max_lag, config.trainer.samples_per_step, self.cfg.group_size
         )
@@ -140,19 +120,15 @@ class Actor:
         self._last_state_log = 0.0
 
     # -- Kafka side --------------------------------------------------------------------------
-    def _group_view(self) -> GroupView:
-        marks = self.transport.watermarks(self.topic)
-        committed = self.transport.group_offsets(self.group, self.topic)
-        dlq = sum(high for _low, high in self.transport.watermarks(self.dlq_topic).values())
-        members = self.transport.group_members(self.group)
-        return GroupView(committed, {p: low for p, (low, _h) in marks.items()}, dlq, members)
-
     async def _refresh(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._last_refresh < self.cfg.refresh_s:
             return
         self._last_refresh = now
-        self.admission.update_view(await asyncio.to_thread(self._group_view))
+        view = await asyncio.to_thread(
+            read_group_view, self.transport, self.topic, self.dlq_topic, self.group
+        )
+        self.admission.update_view(view)
 
     def _on_revoke(self, partitions: list[TopicPartition]) -> None:
         """Poll thread: commit what is durable, hand the rest to the loop to cancel."""
@@ -270,44 +246,13 @@ class Actor:
         self._wake.set()
 
     async def _sample(self, problem: Problem, index: int) -> Rollout:
-        g = self.cfg.group_size
         rollout_id = Rollout.make_rollout_id(Rollout.make_group_id(problem), index)
         seed = sample_seed(self.config.seed, rollout_id) if self.cfg.seeded_sampling else None
-        sampling = self.cfg.sampling
-        messages = [m.to_dict() for m in problem.prompt]
 
         async def call(server: Server) -> Rollout:
-            started, t0 = now_ms(), time.perf_counter()
-            if self.task.multi_turn:
-                assert self.tokenizer is not None
-                client = TurnClient(server.client, self.tokenizer, seed)
-                result = await self.task.generate_rollout(client, problem, sampling)
-                rollout = rollout_from_turns(
-                    problem,
-                    index,
-                    g,
-                    result,
-                    actor_id=self.actor_id,
-                    server_id=server.url,
-                    started_ms=started,
-                    finished_ms=now_ms(),
-                    generation_ms=(time.perf_counter() - t0) * 1000,
-                )
-            else:
-                completion = await server.client.complete(messages, sampling, seed=seed)
-                rollout = rollout_from_completion(
-                    problem,
-                    index,
-                    g,
-                    completion,
-                    actor_id=self.actor_id,
-                    server_id=server.url,
-                    started_ms=started,
-                    finished_ms=now_ms(),
-                    generation_ms=(time.perf_counter() - t0) * 1000,
-                )
-            rollout.validate()  # a ContractError is a strike: retried, then the DLQ
-            return rollout
+            return await self.sampler.sample(
+                server.client, server.url, problem, index, self.cfg.group_size, seed
+            )
 
         return await self.pool.call(call, rollout_id)
 

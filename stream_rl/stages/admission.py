@@ -54,6 +54,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from stream_rl.contracts import WeightVersion
+from stream_rl.kafka.transport import Transport
 
 Key = tuple[int, int]
 """A problem record: (partition, offset) in `problems`."""
@@ -78,6 +79,15 @@ class GroupView:
     """Records in `problems.dlq`."""
     members: int
     """Live members of the actor group."""
+
+
+def read_group_view(transport: Transport, topic: str, dlq_topic: str, group: str) -> GroupView:
+    """The actor group's progress as the broker has it (admin calls: run it off the event loop)."""
+    marks = transport.watermarks(topic)
+    committed = transport.group_offsets(group, topic)
+    dlq = sum(high for _low, high in transport.watermarks(dlq_topic).values())
+    members = transport.group_members(group)
+    return GroupView(committed, {p: low for p, (low, _high) in marks.items()}, dlq, members)
 
 
 @dataclass

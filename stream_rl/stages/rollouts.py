@@ -13,14 +13,15 @@
 
 from __future__ import annotations
 
+import time
 import zlib
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 from stream_rl.config import SamplingConfig
-from stream_rl.contracts import ChatMessage, Problem, Rollout, VersionSpan
+from stream_rl.contracts import ChatMessage, Problem, Rollout, VersionSpan, now_ms
 from stream_rl.errors import TaskError
-from stream_rl.tasks.base import Completion, MultiTurnResult
+from stream_rl.tasks.base import Completion, MultiTurnResult, Task
 
 _TURN_STRIDE = 7919
 
@@ -123,6 +124,56 @@ def rollout_from_turns(
         finished_ms=finished_ms,
         generation_ms=generation_ms,
     )
+
+
+class Sampler:
+    """One sample of a problem on one server: a completion (single-turn) or a whole multi-turn
+    rollout, as a validated `Rollout` (a ContractError is the server's: the pool retries)."""
+
+    def __init__(self, task: Task, tokenizer: Any, sampling: SamplingConfig, actor_id: str) -> None:
+        self.task = task
+        self.tokenizer = tokenizer
+        self.sampling = sampling
+        self.actor_id = actor_id
+
+    async def sample(
+        self, client: Any, server_id: str, problem: Problem, index: int, group_size: int, seed: int | None
+    ) -> Rollout:
+        started, t0 = now_ms(), time.perf_counter()
+        if self.task.multi_turn:
+            if self.tokenizer is None:
+                raise TaskError(
+                    f"task {self.task.name!r} is multi-turn: the actor needs the model's tokenizer"
+                )
+            turns = TurnClient(client, self.tokenizer, seed)
+            result = await self.task.generate_rollout(turns, problem, self.sampling)
+            rollout = rollout_from_turns(
+                problem,
+                index,
+                group_size,
+                result,
+                actor_id=self.actor_id,
+                server_id=server_id,
+                started_ms=started,
+                finished_ms=now_ms(),
+                generation_ms=(time.perf_counter() - t0) * 1000,
+            )
+        else:
+            messages = [m.to_dict() for m in problem.prompt]
+            completion = await client.complete(messages, self.sampling, seed=seed)
+            rollout = rollout_from_completion(
+                problem,
+                index,
+                group_size,
+                completion,
+                actor_id=self.actor_id,
+                server_id=server_id,
+                started_ms=started,
+                finished_ms=now_ms(),
+                generation_ms=(time.perf_counter() - t0) * 1000,
+            )
+        rollout.validate()
+        return rollout
 
 
 class ChatTokenizer:

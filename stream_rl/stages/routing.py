@@ -28,7 +28,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from stream_rl.errors import InferenceError, StreamRLError
+from stream_rl.config import RunConfig
+from stream_rl.errors import ConfigError, InferenceError, StreamRLError
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,30 @@ class ServerClient(Protocol):
     async def health(self) -> Any: ...
 
     async def aclose(self) -> None: ...
+
+
+ClientFactory = Callable[[str], Any]
+"""url -> client of that server (`complete`, `health`, `aclose`)."""
+
+
+def server_urls(config: RunConfig) -> list[str]:
+    """The inference servers of a run: `inference.servers`, else the ones the launcher starts."""
+    inf = config.inference
+    if inf.servers:
+        return [s.url for s in inf.servers]
+    if inf.num_servers <= 0:
+        raise ConfigError("inference: no servers (set inference.servers or inference.num_servers)")
+    return [f"http://{inf.host}:{inf.base_port + i}" for i in range(inf.num_servers)]
+
+
+def inference_client_factory(config: RunConfig) -> ClientFactory:
+    """The real HTTP client of `stream_rl.inference.client`, one per server."""
+    from stream_rl.inference.client import InferenceClient
+
+    def make(url: str) -> Any:
+        return InferenceClient(url, timeout_s=config.actor.request_timeout_s)
+
+    return make
 
 
 class RequestRejected(InferenceError):
