@@ -331,9 +331,10 @@ class Actor:
     async def run(self, max_records: int | None = None, idle_timeout_s: float | None = None) -> StageStats:
         loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
+        urls = server_urls(self.config)
         factory = self.client_factory or inference_client_factory(self.config)
         self.pool = ServerPool(
-            {url: factory(url) for url in server_urls(self.config)},
+            {url: factory(url) for url in urls},
             cap=self.cfg.concurrency_per_server,
             max_retries=self.cfg.max_retries,
             backoff_s=self.cfg.backoff_s,
