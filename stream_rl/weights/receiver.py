@@ -125,7 +125,6 @@ class WeightReceiver:
         plan = plan_buckets(metas, bucket_bytes)
         staged = [b for b in plan if len(b) > 1]
         ring_bytes = max((bucket_nbytes(b) for b in staged), default=0)
-        ring: list[torch.Tensor | None] = [None] * _IN_FLIGHT
         pending: deque[_Pending] = deque()
         done = False
         try:
@@ -141,12 +140,7 @@ class WeightReceiver:
                 target = _direct_target(dsts, group.device)
                 direct = target is not None
                 if target is None:
-                    slot = index % _IN_FLIGHT
-                    buffer = ring[slot]
-                    if buffer is None or buffer.numel() < size:
-                        buffer = torch.empty(max(ring_bytes, size), dtype=torch.uint8, device=group.device)
-                        ring[slot] = buffer
-                    target = buffer[:size]
+                    target = group.staging(index % _IN_FLIGHT, max(ring_bytes, size))[:size]
                 pending.append(
                     _Pending(bucket, dsts, target, direct, group.broadcast(target, self.timeout_s))
                 )
