@@ -48,7 +48,8 @@ def send_buckets(
     ring_bytes = max((bucket_nbytes(b) for b in plan if len(b) > 1), default=0)
     in_flight: deque[_InFlight] = deque()
     offset = 0
-    for index, bucket in enumerate(plan):
+    posted = 0  # buckets broadcast so far: picks the staging slot
+    for bucket in plan:
         tensors = sources[offset : offset + len(bucket)]
         offset += len(bucket)
         size = bucket_nbytes(bucket)
@@ -57,12 +58,13 @@ def send_buckets(
         if len(tensors) == 1 and tensors[0].device == device and tensors[0].is_contiguous():
             payload = tensor_bytes(tensors[0])
         else:
-            # The slot is free: its previous bucket completed before this one was started.
-            buffer = group.staging(index % IN_FLIGHT, max(ring_bytes, size))
+            # Free: the bucket posted two before this one (the slot's last user) has completed.
+            buffer = group.staging(posted % IN_FLIGHT, max(ring_bytes, size))
             payload = pack_bucket(tensors, out=buffer)
         in_flight.append(
             _InFlight(group.broadcast(payload, deadline - time.monotonic()), group.backend, wake)
         )
+        posted += 1
         if len(in_flight) == IN_FLIGHT:
             await_work(in_flight.popleft(), group, deadline=deadline, abort=abort, wake=wake)
     while in_flight:

@@ -128,7 +128,8 @@ class WeightReceiver:
         pending: deque[_Pending] = deque()
         done = False
         try:
-            for index, bucket in enumerate(plan):
+            posted = 0  # buckets posted so far: picks the staging slot (empty ones are skipped)
+            for bucket in plan:
                 size = bucket_nbytes(bucket)
                 if size == 0:  # only empty tensors: nothing travels
                     for meta in bucket:
@@ -140,10 +141,12 @@ class WeightReceiver:
                 target = _direct_target(dsts, group.device)
                 direct = target is not None
                 if target is None:
-                    target = group.staging(index % _IN_FLIGHT, max(ring_bytes, size))[:size]
+                    # Free: the bucket posted two before (the slot's last user) was copied out.
+                    target = group.staging(posted % _IN_FLIGHT, max(ring_bytes, size))[:size]
                 pending.append(
                     _Pending(bucket, dsts, target, direct, group.broadcast(target, self.timeout_s))
                 )
+                posted += 1
                 if len(pending) == _IN_FLIGHT:
                     self._finish(pending.popleft())
             while pending:
