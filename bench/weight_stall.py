@@ -8,7 +8,7 @@ on it (CPU, one torch thread), keeps it decoding with concurrent chat completion
 from a `WeightSender` and pushes new random weights `--updates` times. It also reports the
 decode throughput (completion tokens/s) while idle of updates and while updating.
 
-    .venv/bin/python bench/weight_stall.py [--sizes 1m,10m,100m] [--updates 8] [--bucket-mb 4]
+    .venv/bin/python bench/weight_stall.py [--sizes 1m,10m,100m] [--updates 8] [--bucket-mb 1]
     .venv/bin/python bench/weight_stall.py --server http://127.0.0.1:8100 [--token T]   # a running server
 
 Needs the inference server (`stream_rl.inference`); prints a table and writes
@@ -212,7 +212,7 @@ def main() -> int:
     parser.add_argument("--server", action="append", default=[], help="measure a running server instead")
     parser.add_argument("--token", default=None, help="admin token of --server")
     parser.add_argument("--updates", type=int, default=8)
-    parser.add_argument("--bucket-mb", type=float, default=4.0)
+    parser.add_argument("--bucket-mb", type=float, default=1.0)
     parser.add_argument(
         "--streams", type=int, default=8, help="concurrent chat completions keeping decoding busy"
     )

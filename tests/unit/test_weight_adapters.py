@@ -1,6 +1,6 @@
 """The engine adapters' shared orchestration (joining, dropping, version skipping), engine faked.
 
-The vLLM and SGLang calls themselves need a GPU: tests/gpu/test_weight_adapters.py.
+The vLLM and SGLang calls themselves need a GPU: tests/gpu/test_engine_adapters.py.
 """
 
 from __future__ import annotations

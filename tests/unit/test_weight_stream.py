@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -65,8 +65,8 @@ def transfer(
     receiver: WeightReceiver,
     named: list[tuple[str, torch.Tensor]],
     bucket_bytes: int,
-    into,
-) -> float:  # type: ignore[no-untyped-def]
+    into: Callable[[TensorMeta], torch.Tensor],
+) -> float:
     metas = [TensorMeta.from_tensor(n, t) for n, t in named]
     result: list[float] = []
     worker = threading.Thread(target=lambda: result.append(receiver.receive(metas, bucket_bytes, into)))

@@ -4,7 +4,7 @@ Start the engine on its own GPU(s), then point the test at it, the trainer on an
 
     VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen2.5-0.5B-Instruct --weight-transfer-config '{"backend": "nccl"}'
     STREAM_RL_VLLM_URL=http://127.0.0.1:8000 STREAM_RL_ENGINE_MODEL=Qwen/Qwen2.5-0.5B-Instruct \\
-        CUDA_VISIBLE_DEVICES=1 .venv/bin/pytest -m gpu tests/gpu/test_weight_adapters.py
+        CUDA_VISIBLE_DEVICES=1 .venv/bin/pytest -m gpu tests/gpu/test_engine_adapters.py
 
     python -m sglang.launch_server --model-path Qwen/Qwen2.5-0.5B-Instruct --port 30000
     STREAM_RL_SGLANG_URL=http://127.0.0.1:30000 STREAM_RL_ENGINE_MODEL=... (same command)
@@ -16,6 +16,7 @@ sensible); the test pushes them twice and checks the reports and that the server
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import httpx
 import pytest
@@ -32,7 +33,8 @@ def _model_weights() -> list[tuple[str, torch.Tensor]]:
     name = os.environ.get("STREAM_RL_ENGINE_MODEL")
     if not name:
         pytest.skip("set STREAM_RL_ENGINE_MODEL to the served model")
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16).cuda()
+    model: Any = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16)
+    model = model.to("cuda")
     return [(n, p.detach()) for n, p in model.named_parameters()]
 
 
