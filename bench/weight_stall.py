@@ -6,7 +6,7 @@ every size, i.e. the transfer hides behind decoding.
 Per size it writes a random model (`stream_rl.inference.model_maker`), starts `stream-rl serve`
 on it (CPU, one torch thread), keeps it decoding with concurrent chat completions, joins it
 from a `WeightSender` and pushes new random weights `--updates` times. It also reports the
-decode throughput (completion tokens/s) while idle of updates and while updating.
+decode throughput (completion tokens/s) without updates (before and after) and while updating.
 
     .venv/bin/python bench/weight_stall.py [--sizes 1m,10m,100m] [--updates 8] [--bucket-mb 1]
     .venv/bin/python bench/weight_stall.py --server http://127.0.0.1:8100 [--token T]   # a running server
@@ -159,6 +159,7 @@ def measure(url: str, token: str | None, label: str, args: argparse.Namespace) -
             updates.append(report.per_server[url])
             time.sleep(args.gap_s)
         updating_rate = (load.tokens - tokens_before) / (time.perf_counter() - start)
+        idle_rate = (idle_rate + load.rate(args.window_s)) / 2  # idle before and after the updates
         errors = load.errors
     stall = [u["stall_ms"] for u in updates]
     receive = [u["receive_ms"] for u in updates]
@@ -218,7 +219,7 @@ def main() -> int:
     )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--gap-s", type=float, default=0.2, help="pause between updates")
-    parser.add_argument("--warmup-s", type=float, default=2.0)
+    parser.add_argument("--warmup-s", type=float, default=5.0)
     parser.add_argument("--window-s", type=float, default=3.0, help="idle throughput window")
     args = parser.parse_args()
     torch.set_num_threads(1)
