@@ -37,6 +37,7 @@ from stream_rl.weights import ServerEndpoint, WeightSender
 from stream_rl.weights.client import ServerClient
 
 RESULTS = Path(__file__).parent / "results" / "weight_stall.json"
+GENERATED_METRIC = "stream_rl_inference_generated_tokens_total"
 # name: (hidden, layers, heads, kv heads, intermediate), for the inference model maker
 SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "1m": (128, 4, 4, 2, 512),
@@ -78,11 +79,22 @@ class DecodeLoad:
                 with self._lock:
                     self.tokens += used
 
+    def generated(self) -> float:
+        """Tokens generated so far: the server's own counter (token-exact) when it exports one,
+        else the completion tokens of finished requests (coarse with long requests)."""
+        try:
+            for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
+                if line.startswith(GENERATED_METRIC + " "):
+                    return float(line.split()[1])
+        except httpx.HTTPError:
+            pass
+        return float(self.tokens)
+
     def rate(self, seconds: float) -> float:
-        """Completion tokens per second over the next `seconds`."""
-        start_tokens, start = self.tokens, time.perf_counter()
+        """Tokens generated per second over the next `seconds`."""
+        start_tokens, start = self.generated(), time.perf_counter()
         time.sleep(seconds)
-        return (self.tokens - start_tokens) / (time.perf_counter() - start)
+        return (self.generated() - start_tokens) / (time.perf_counter() - start)
 
     def __enter__(self) -> DecodeLoad:
         for thread in self._threads:
@@ -151,14 +163,14 @@ def measure(url: str, token: str | None, label: str, args: argparse.Namespace) -
         sender.connect()
         load.rate(args.warmup_s)  # let decoding reach a steady state
         idle_rate = load.rate(args.window_s)
-        tokens_before, start = load.tokens, time.perf_counter()
+        tokens_before, start = load.generated(), time.perf_counter()
         for version in range(1, args.updates + 1):
             report = sender.push(version, sets[version % 2], int(args.bucket_mb * (1 << 20)))
             if report.failed:
                 raise SystemExit(f"update {version} failed: {report.failed}")
             updates.append(report.per_server[url])
             time.sleep(args.gap_s)
-        updating_rate = (load.tokens - tokens_before) / (time.perf_counter() - start)
+        updating_rate = (load.generated() - tokens_before) / (time.perf_counter() - start)
         idle_rate = (idle_rate + load.rate(args.window_s)) / 2  # idle before and after the updates
         errors = load.errors
     stall = [u["stall_ms"] for u in updates]
