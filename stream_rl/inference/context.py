@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from fastapi import HTTPException, Request
+from pydantic import BaseModel, ValidationError
 
 from stream_rl.inference.engine import Engine
 from stream_rl.inference.metrics import ServerMetrics
@@ -29,12 +30,25 @@ class Receiver(Protocol):
 
 
 ReceiverFactory = Callable[..., Receiver]
+B = TypeVar("B", bound=BaseModel)
 
 
 class APIError(HTTPException):
     def __init__(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
         super().__init__(status_code=status, detail=body, headers=headers)
         self.body = body
+
+
+def validation_message(errors: Sequence[Any]) -> str:
+    """One line naming each invalid field (pydantic/FastAPI error dicts)."""
+    parts = []
+    for err in errors:
+        if err.get("type") == "json_invalid":
+            return "the body is not valid JSON"
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        msg = "unknown field" if err.get("type") == "extra_forbidden" else err.get("msg", "invalid")
+        parts.append(f"{loc}: {msg}")
+    return "; ".join(parts[:5]) or "invalid request"
 
 
 def api_error(
@@ -85,6 +99,14 @@ class ServerContext:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    async def admin_body(self, request: Request, model: type[B]) -> B:
+        """Check the admin token, then parse the JSON body as `model` (400 when it does not fit)."""
+        self.check_admin(request)
+        try:
+            return model.model_validate_json(await request.body())
+        except ValidationError as exc:
+            raise api_error(400, validation_message(exc.errors())) from exc
 
     def check_admin(self, request: Request) -> None:
         """401 unless the request carries `Authorization: Bearer <admin token>` (when one is set)."""

@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from stream_rl.config import InferenceConfig, ModelConfig
 from stream_rl.errors import StreamRLError
 from stream_rl.inference import openai_routes, weights_routes
-from stream_rl.inference.context import APIError, ReceiverFactory, ServerContext
+from stream_rl.inference.context import APIError, ReceiverFactory, ServerContext, validation_message
 from stream_rl.inference.engine import Engine
 from stream_rl.inference.metrics import ServerMetrics
 
@@ -44,17 +44,6 @@ def default_receiver_factory(**kwargs: Any) -> Any:
     from stream_rl.weights.receiver import WeightReceiver
 
     return WeightReceiver(**kwargs)
-
-
-def _validation_message(exc: RequestValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-        if err.get("type") == "json_invalid":
-            return "the body is not valid JSON"
-        msg = "unknown field" if err.get("type") == "extra_forbidden" else err.get("msg", "invalid")
-        parts.append(f"{loc}: {msg}")
-    return "; ".join(parts[:5]) or "invalid request"
 
 
 def create_app(
@@ -92,7 +81,7 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message = _validation_message(exc)
+        message = validation_message(exc.errors())
         ctx.metrics.requests.labels(request.url.path, "400").inc()
         return JSONResponse(
             {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": 400}},
@@ -102,6 +91,13 @@ def create_app(
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # A bug must not take the server down or answer with a bare text page: log it, answer JSON.
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        body = {"error": {"message": f"internal error: {type(exc).__name__}: {exc}", "type": "server_error"}}
+        return JSONResponse(body, status_code=500)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -52,9 +52,12 @@ async def meta(request: Request) -> list[dict[str, Any]]:
     return [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]
 
 
+# The bodies are parsed after the token check (a FastAPI body parameter would be validated
+# first, answering 400 to an unauthenticated caller).
 @router.post("/init_group")
-async def init_group(body: InitGroupRequest, request: Request) -> dict[str, Any]:
-    ctx = _ctx(request)
+async def init_group(request: Request) -> dict[str, Any]:
+    ctx: ServerContext = request.app.state.ctx
+    body = await ctx.admin_body(request, InitGroupRequest)
     if body.rank >= body.world_size:
         raise api_error(400, f"rank {body.rank} is outside a group of {body.world_size}")
     async with ctx.weights_lock:
@@ -86,8 +89,9 @@ async def init_group(body: InitGroupRequest, request: Request) -> dict[str, Any]
 
 
 @router.post("/update")
-async def update(body: UpdateWeightsRequest, request: Request) -> dict[str, Any]:
-    ctx = _ctx(request)
+async def update(request: Request) -> dict[str, Any]:
+    ctx: ServerContext = request.app.state.ctx
+    body = await ctx.admin_body(request, UpdateWeightsRequest)
     table = ctx.engine.parameters
     specs = [ParamSpec(t.name, t.dtype, tuple(t.shape)) for t in body.tensors]
     try:
@@ -95,12 +99,14 @@ async def update(body: UpdateWeightsRequest, request: Request) -> dict[str, Any]
     except WeightSyncError as exc:
         ctx.metrics.updates.labels("rejected").inc()
         raise api_error(400, str(exc)) from exc
+    if ctx.receiver is None:
+        raise api_error(409, "no weight-sync group: POST /weights/init_group first")
     from stream_rl.weights.buckets import TensorMeta  # the weights package owns the wire layout
 
     metas = [TensorMeta(name=s.name, dtype=s.dtype, shape=s.shape) for s in specs]
     async with ctx.weights_lock:
         receiver = ctx.receiver
-        if receiver is None:
+        if receiver is None:  # the group failed while this update waited for the previous one
             raise api_error(409, "no weight-sync group: POST /weights/init_group first")
         buffers = table.shadow_buffers(specs)
 
