@@ -124,7 +124,9 @@ class Engine:
     def load(cls, path: str | Path, *, device: str = "cpu", dtype: str = "float32", **kwargs: Any) -> Engine:
         """Load a local Hugging Face model directory (no hub access) and build an engine."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()
         if dtype not in DTYPES:
             raise InferenceError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if not (Path(path) / "config.json").is_file():

@@ -127,9 +127,6 @@ def make_model(
     The same (preset, arch, seed) always gives bit-identical weights. Refuses to overwrite a
     directory that already holds a model unless `overwrite`.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     if arch not in ("qwen2", "llama"):
@@ -137,6 +134,11 @@ def make_model(
     out = Path(out)
     if (out / "config.json").exists() and not overwrite:
         raise ConfigError(f"{out} already holds a model (pass --overwrite to replace it)")
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     tokenizer = build_tokenizer()
     config = _model_config(
         PRESETS[preset], arch, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id
@@ -157,6 +159,20 @@ def make_model(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def preset_parameters(preset: str, arch: Arch = "qwen2") -> int:
+    """Parameter count of a preset (tied weights once), computed without allocating it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = _model_config(
+        PRESETS[preset], arch, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
 
 
 def count_parameters(path: str | Path) -> int:

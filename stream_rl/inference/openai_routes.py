@@ -14,6 +14,7 @@ stop after 16 tokens (OpenAI's defaults).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import Any
@@ -25,6 +26,7 @@ from stream_rl.inference.context import ServerContext, api_error
 from stream_rl.inference.protocol import ChatCompletionRequest, CompletionRequest
 from stream_rl.inference.sequence import RequestResult, SamplingParams, SequenceResult
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -45,6 +47,12 @@ async def _run(ctx: ServerContext, endpoint: str, prompt: list[int], params: Sam
         ctx.metrics.requests.labels(endpoint, "503").inc()
         raise api_error(503, str(exc), "server_error") from exc
     ctx.metrics.requests.labels(endpoint, "200").inc()
+    if logger.isEnabledFor(logging.DEBUG):
+        finishes = ",".join(s.finish_reason for s in result.sequences)
+        tokens = sum(len(s.token_ids) for s in result.sequences)
+        logger.debug(
+            "%s prompt=%d n=%d tokens=%d finish=%s", endpoint, len(prompt), params.n, tokens, finishes
+        )
     return result
 
 

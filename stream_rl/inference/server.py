@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -135,8 +136,6 @@ def run(
     port: int,
     port_file: str | None = None,
     served_model_name: str | None = None,
-    weights_timeout_s: float = 60.0,
-    seed: int | None = None,
 ) -> None:
     """Load the model, bind `inference.host:port` (0 = any free port) and serve until SIGTERM/SIGINT."""
     import torch
@@ -149,14 +148,14 @@ def run(
         dtype=model.dtype,
         max_batch=inference.max_batch,
         kv_policy=inference.kv_policy,
-        seed=seed,
+        seed=inference.seed,
     )
     token = inference.admin_token.get_secret_value() if inference.admin_token else None
     app = create_app(
         engine,
         model_name=served_model_name or Path(model.path).name,
         admin_token=token,
-        weights_timeout_s=weights_timeout_s,
+        weights_timeout_s=inference.weights_timeout_s,
     )
     sock = socket.socket(socket.AF_INET6 if ":" in inference.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -179,7 +178,14 @@ def run(
         inference.kv_policy,
     )
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    # uvicorn drains on SIGTERM, then re-raises the signal under the handler found at start;
+    # a no-op one makes a requested stop exit 0 instead of dying by the signal.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    logger.info("server stopped")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -212,6 +218,8 @@ def main_serve(args: argparse.Namespace) -> int:
         kv_policy=args.kv_policy,
         admin_token=token,
         torch_threads=args.threads,
+        weights_timeout_s=args.weights_timeout,
+        seed=args.seed,
     )
     run(
         inference,
@@ -219,7 +227,5 @@ def main_serve(args: argparse.Namespace) -> int:
         port=args.port,
         port_file=args.port_file,
         served_model_name=args.served_model_name,
-        weights_timeout_s=args.weights_timeout,
-        seed=args.seed,
     )
     return 0

@@ -26,7 +26,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from stream_rl.errors import WeightSyncError
+from stream_rl.errors import InferenceError, WeightSyncError
 from stream_rl.inference.context import ServerContext, api_error
 from stream_rl.inference.parameters import ParamSpec
 from stream_rl.inference.protocol import InitGroupRequest, UpdateWeightsRequest
@@ -123,7 +123,10 @@ async def update(request: Request) -> dict[str, Any]:
             raise api_error(
                 502, f"receiving version {body.version} failed: {exc}", "weight_sync_error"
             ) from exc
-        swap = await asyncio.wrap_future(ctx.engine.swap_weights(body.version, buffers))
+        try:
+            swap = await asyncio.wrap_future(ctx.engine.swap_weights(body.version, buffers))
+        except InferenceError as exc:  # the engine is not running
+            raise api_error(503, f"version {body.version} not installed: {exc}", "server_error") from exc
         table.recycle(swap.replaced)
     ctx.metrics.receive_seconds.observe(receive_ms / 1000)
     ctx.metrics.stall_seconds.observe(swap.stall_ms / 1000)

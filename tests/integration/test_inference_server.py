@@ -37,7 +37,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path) -> Iterator[ServerThread]:
-    with ServerThread(Engine.load(model_dir, max_batch=16, seed=0), admin_token=TOKEN, model_name="tiny") as s:
+    with ServerThread(
+        Engine.load(model_dir, max_batch=16, seed=0), admin_token=TOKEN, model_name="tiny"
+    ) as s:
         yield s
 
 
@@ -59,7 +61,14 @@ def test_openai_client_chat_with_logprobs(server: ServerThread, model_dir: Path,
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
     messages = [{"role": "system", "content": "Add."}, {"role": "user", "content": "37+45="}]
     response = client.chat.completions.create(
-        model="tiny", messages=messages, logprobs=True, top_logprobs=3, max_tokens=12, temperature=0.8, seed=1, n=2
+        model="tiny",
+        messages=messages,
+        logprobs=True,
+        top_logprobs=3,
+        max_tokens=12,
+        temperature=0.8,
+        seed=1,
+        n=2,
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -82,7 +91,9 @@ def test_openai_client_chat_with_logprobs(server: ServerThread, model_dir: Path,
 def test_completions_with_token_ids_greedy_matches_transformers(server: ServerThread, reference) -> None:  # type: ignore[no-untyped-def]
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
     prompt = [4, 57, 61, 49, 58, 59, 67, 1, 5]
-    response = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, logprobs=0)
+    response = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=16, temperature=0, logprobs=0
+    )
     with torch.inference_mode():
         out = reference.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0)
     expected = out[0, len(prompt) :].tolist()
@@ -96,7 +107,11 @@ def test_stop_string_over_http(server: ServerThread) -> None:
     body = {"prompt": [4, 50, 51, 1, 5], "max_tokens": 20, "temperature": 0, "ignore_eos": True}
     free = httpx.post(f"{server.url}/v1/completions", json=body).json()["choices"][0]
     text = free["text"]
-    stop = next(text[i : i + 2] for i in range(2, len(text) - 1) if text[i : i + 2].isascii() and text[i : i + 2].isprintable())
+    stop = next(
+        text[i : i + 2]
+        for i in range(2, len(text) - 1)
+        if text[i : i + 2].isascii() and text[i : i + 2].isprintable()
+    )
     stopped = httpx.post(f"{server.url}/v1/completions", json={**body, "stop": [stop]}).json()["choices"][0]
     assert stopped["finish_reason"] == "stop"
     assert stopped["text"] == text[: text.index(stop)]
@@ -108,7 +123,9 @@ def test_64_concurrent_requests_are_all_answered(server: ServerThread) -> None:
         async with InferenceClient(server.url) as client:
             sampling = SamplingConfig(temperature=1.0, max_tokens=24)
             prompts = [[4, *range(6 + i % 50, 6 + i % 50 + 1 + i % 13), 1, 5] for i in range(64)]
-            results = await asyncio.gather(*(client.complete(p, sampling, seed=i) for i, p in enumerate(prompts)))
+            results = await asyncio.gather(
+                *(client.complete(p, sampling, seed=i) for i, p in enumerate(prompts))
+            )
             for prompt, c in zip(prompts, results, strict=True):
                 assert c.prompt_token_ids == prompt
                 assert len(c.logprobs) == len(c.token_ids) >= 1
@@ -136,7 +153,9 @@ def test_64_concurrent_requests_are_all_answered(server: ServerThread) -> None:
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 5}]}', "content"),
     ],
 )
-def test_malformed_requests_get_400_with_json_error(server: ServerThread, path: str, body: bytes, fragment: str) -> None:
+def test_malformed_requests_get_400_with_json_error(
+    server: ServerThread, path: str, body: bytes, fragment: str
+) -> None:
     response = httpx.post(f"{server.url}{path}", content=body, headers={"content-type": "application/json"})
     assert response.status_code == 400
     assert fragment in response.json()["error"]["message"]
@@ -157,13 +176,18 @@ def test_weight_routes_validate_bodies(server: ServerThread) -> None:
     url = f"{server.url}/weights"
     bad_group = {"master_addr": "127.0.0.1", "master_port": 1, "rank": 2, "world_size": 2, "backend": "gloo"}
     assert httpx.post(f"{url}/init_group", json=bad_group, headers=auth).status_code == 400
-    assert httpx.post(f"{url}/init_group", json={**bad_group, "backend": "mpi"}, headers=auth).status_code == 400
+    assert (
+        httpx.post(f"{url}/init_group", json={**bad_group, "backend": "mpi"}, headers=auth).status_code == 400
+    )
     meta = httpx.get(f"{url}/meta", headers=auth).json()
     good = {"version": 1, "tensors": meta[:1], "bucket_bytes": 1 << 20}
     no_group = httpx.post(f"{url}/update", json=good, headers=auth)
     assert no_group.status_code == 409 and "init_group" in no_group.json()["error"]["message"]
     unknown = {**good, "tensors": [{"name": "nope.weight", "dtype": "float32", "shape": [1]}]}
-    assert "no such parameter" in httpx.post(f"{url}/update", json=unknown, headers=auth).json()["error"]["message"]
+    assert (
+        "no such parameter"
+        in httpx.post(f"{url}/update", json=unknown, headers=auth).json()["error"]["message"]
+    )
     shape = {**good, "tensors": [{**meta[0], "shape": [1, 2]}]}
     assert httpx.post(f"{url}/update", json=shape, headers=auth).status_code == 400
     dtype = {**good, "tensors": [{**meta[0], "dtype": "bfloat16"}]}

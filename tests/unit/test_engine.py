@@ -198,3 +198,14 @@ def test_kv_policy_after_swap(model, tokenizer, policy: str) -> None:  # type: i
         assert seq.token_ids[k:] == expected
     else:
         assert seq.token_ids[k:] != expected
+
+
+def test_llama_architecture_greedy_equals_transformers(tmp_path: Path) -> None:
+    path = make_model(tmp_path / "llama", "tiny", arch="llama")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    load_weights(model, random_weights(model, seed=8))
+    reference = copy.deepcopy(model)
+    engine = Engine(model, AutoTokenizer.from_pretrained(path), max_batch=4)
+    results = engine.generate(PROMPTS[:3], greedy(16))
+    engine.stop()
+    assert [r.sequences[0].token_ids for r in results] == [hf_greedy(reference, p, 16) for p in PROMPTS[:3]]
