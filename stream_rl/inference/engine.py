@@ -8,7 +8,9 @@ One thread runs the decode loop; callers `submit()` requests from any thread and
      the new version in their version spans;
   2. admits waiting requests while slots are free (up to `max_batch` sequences): one prefill
      forward per group of prompts, which also samples each sequence's first token. A request
-     with n > 1 is prefilled once and its KV copied to its n slots;
+     with n > 1 is prefilled once and its KV copied to its n slots. While others decode,
+     admission waits for `admit_batch` free slots (default max_batch / 8), at most `admit_wait`
+     steps: each prefill is a forward pass with its own fixed cost;
   3. one batched decode forward for all running sequences, one token each;
   4. retires finished sequences (eos, stop string, max_tokens, model length) and resolves
      requests whose n sequences are all done.
@@ -41,6 +43,10 @@ from stream_rl.inference.sequence import Request, RequestResult, SamplingParams,
 logger = logging.getLogger(__name__)
 
 KvPolicy = Literal["keep", "recompute"]
+
+
+class EngineStopped(InferenceError):
+    """The engine's loop is not running (stopped, or failed): the server answers 503."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,8 @@ class Engine:
         seed: int | None = None,
         prefill_tokens: int = 8192,
         version: int = 0,
+        admit_batch: int | None = None,
+        admit_wait: int = 8,
     ) -> None:
         config = model.config.get_text_config()
         if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
@@ -90,6 +98,9 @@ class Engine:
         self.max_batch = max_batch
         self.kv_policy = kv_policy
         self.prefill_tokens = prefill_tokens
+        self.admit_batch = admit_batch or max(1, max_batch // 8)
+        self.admit_wait = admit_wait
+        self._deferred = 0
         self.max_len = int(getattr(config, "max_position_embeddings", 2048))
         self.version = version
         self.parameters = ParameterTable(model)
@@ -110,6 +121,7 @@ class Engine:
         self._running: list[Sequence] = []
         self._batch: BatchSampling | None = None  # rebuilt when the running set changes
         self._waiting: collections.deque[Request] = collections.deque()
+        self._unresolved: set[Request] = set()  # submitted, future not yet resolved
         self._swap: _Swap | None = None
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -164,7 +176,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self._fail_all(InferenceError("engine stopped"))
+        self._fail_all(EngineStopped("engine stopped"))
 
     @property
     def alive(self) -> bool:
@@ -188,8 +200,9 @@ class Engine:
         request = Request(list(prompt), params, future, results=[None] * params.n)
         with self._cond:
             if self._error is not None or self._stopping:
-                raise InferenceError("the engine is not running")
+                raise EngineStopped("the engine is not running")
             self._waiting.append(request)
+            self._unresolved.add(request)
             self._cond.notify_all()
         return future
 
@@ -209,7 +222,7 @@ class Engine:
             if self._swap is not None:
                 raise InferenceError("a weight swap is already pending")
             if self._error is not None or self._stopping:
-                raise InferenceError("the engine is not running")
+                raise EngineStopped("the engine is not running")
             self._swap = _Swap(version, tensors, future)
             self._cond.notify_all()
         return future
@@ -244,11 +257,11 @@ class Engine:
                             return
                     self.step()
         except Exception as exc:
-            # The loop must not die silently: fail every caller, then surface the error.
+            # The loop must not die silently: log the traceback, fail every caller, mark the
+            # engine dead (health 503) and end the thread.
             logger.exception("engine loop failed")
             self._error = exc
-            self._fail_all(InferenceError(f"engine failure: {exc}"))
-            raise
+            self._fail_all(EngineStopped(f"engine failure: {exc}"))
 
     def step(self) -> None:
         """One iteration: swap, admit, decode, retire (call from one thread only)."""
@@ -266,7 +279,8 @@ class Engine:
 
     def _fail_all(self, error: InferenceError) -> None:
         with self._cond:
-            pending = list(self._waiting) + [s.request for s in self._running]
+            pending = list(self._unresolved)
+            self._unresolved.clear()
             self._waiting.clear()
             self._running = []
             swap, self._swap = self._swap, None
@@ -293,6 +307,15 @@ class Engine:
         admitted: list[Request] = []
         free = self.max_batch - len(self._running)
         with self._cond:
+            if not self._waiting or self._waiting[0].params.n > free:
+                return
+            # Each prefill is a forward pass of its own (~1 ms of fixed overhead on CPU), so while
+            # others decode, wait for a few free slots rather than prefilling one prompt per step;
+            # a waiting request is never held back more than `admit_wait` steps.
+            if self._running and free < self.admit_batch and self._deferred < self.admit_wait:
+                self._deferred += 1
+                return
+            self._deferred = 0
             while self._waiting and self._waiting[0].params.n <= free:
                 request = self._waiting.popleft()
                 free -= request.params.n
@@ -424,7 +447,10 @@ class Engine:
             del running[keep:]
         self._batch = None
         for s in done:
-            self._finished += s.request.finish_sequence(s.result())
+            if s.request.finish_sequence(s.result()):
+                self._finished += 1
+                with self._cond:
+                    self._unresolved.discard(s.request)
 
     def _recompute_cache(self) -> None:
         """Rebuild every running sequence's KV under the current weights (kv_policy=recompute)."""

@@ -23,6 +23,7 @@ from fastapi import APIRouter, Request
 
 from stream_rl.errors import InferenceError
 from stream_rl.inference.context import ServerContext, api_error
+from stream_rl.inference.engine import EngineStopped
 from stream_rl.inference.protocol import ChatCompletionRequest, CompletionRequest
 from stream_rl.inference.sequence import RequestResult, SamplingParams, SequenceResult
 
@@ -38,6 +39,9 @@ def _spans(seq: SequenceResult) -> list[dict[str, int]]:
 async def _run(ctx: ServerContext, endpoint: str, prompt: list[int], params: SamplingParams) -> RequestResult:
     try:
         future = ctx.engine.submit(prompt, params)
+    except EngineStopped as exc:
+        ctx.metrics.requests.labels(endpoint, "503").inc()
+        raise api_error(503, str(exc), "server_error") from exc
     except InferenceError as exc:
         ctx.metrics.requests.labels(endpoint, "400").inc()
         raise api_error(400, str(exc)) from exc

@@ -84,7 +84,7 @@ class RequestResult:
     sequences: list[SequenceResult]
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity
 class Request:
     prompt: list[int]
     params: SamplingParams

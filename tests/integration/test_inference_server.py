@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stream_rl.config import SamplingConfig
+from stream_rl.errors import InferenceError
 from stream_rl.inference.client import InferenceClient
 from stream_rl.inference.engine import Engine
 from stream_rl.inference.model_maker import make_model
@@ -207,3 +208,51 @@ def test_health_models_and_metrics(server: ServerThread) -> None:
         assert f"stream_rl_inference_{series}" in text
     assert 'stream_rl_inference_requests_total{endpoint="completions",status="200"}' in text
     assert "stream_rl_inference_weight_update_stall_seconds_count" in text
+
+
+def test_client_chat_health_version_and_errors(server: ServerThread, model_dir: Path) -> None:
+    async def main() -> None:
+        async with InferenceClient(server.url, admin_token=TOKEN) as client:
+            messages = [{"role": "user", "content": "2+2="}]
+            completion = await client.complete(
+                messages, SamplingConfig(max_tokens=6, temperature=1.0), seed=3
+            )
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            assert completion.prompt_token_ids == tokenizer.encode(
+                "<|user|>2+2=<|end|><|assistant|>", add_special_tokens=False
+            )
+            assert len(completion.logprobs) == len(completion.token_ids) >= 1
+            assert completion.version_spans[0].version == 0
+            again = await client.complete(messages, SamplingConfig(max_tokens=6, temperature=1.0), seed=3)
+            assert again.token_ids == completion.token_ids  # seeded
+            many = await client.complete_many([4, 9, 1, 5], SamplingConfig(max_tokens=5), n=3)
+            assert len(many) == 3 and all(c.prompt_token_ids == [4, 9, 1, 5] for c in many)
+            assert await client.health() == {"status": "ok", "version": 0}
+            assert await client.version() == 0
+            with pytest.raises(InferenceError, match="HTTP 400.*token ids"):
+                await client.complete([999_999], SamplingConfig())
+        async with InferenceClient(server.url) as anonymous:
+            with pytest.raises(InferenceError, match="401"):
+                await anonymous.version()
+        async with InferenceClient("http://127.0.0.1:9") as nowhere:
+            with pytest.raises(InferenceError, match="failed"):
+                await nowhere.health()
+
+    asyncio.run(main())
+
+
+def test_engine_failure_answers_503_and_health_reports_it(model_dir: Path) -> None:
+    engine = Engine.load(model_dir, max_batch=4)
+
+    def broken_forward(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("simulated kernel failure")
+
+    with ServerThread(engine) as server:
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        engine.model.forward = broken_forward  # the next prefill fails inside the engine loop
+        failed = httpx.post(f"{server.url}/v1/completions", json={"prompt": [4, 5], "max_tokens": 3})
+        assert failed.status_code == 503 and "simulated kernel failure" in failed.json()["error"]["message"]
+        health = httpx.get(f"{server.url}/health")
+        assert health.status_code == 503 and health.json()["status"] == "error"
+        after = httpx.post(f"{server.url}/v1/completions", json={"prompt": [4, 5], "max_tokens": 3})
+        assert after.status_code == 503 and "not running" in after.json()["error"]["message"]
