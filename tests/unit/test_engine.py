@@ -116,7 +116,7 @@ def test_stop_string_eos_and_length(model, tokenizer) -> None:  # type: ignore[n
 
     eos = free.token_ids[4]
     engine = Engine(model, tokenizer, max_batch=4)
-    engine.eos_ids = frozenset({eos})
+    engine.batch.eos_ids = frozenset({eos})
     ended = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=20))[0].sequences[0]
     first = free.token_ids.index(eos)
     assert ended.token_ids == free.token_ids[: first + 1]  # eos included
@@ -162,7 +162,7 @@ def test_swap_mid_generation_records_spans_and_installs_by_pointer(model, tokeni
     with torch.inference_mode():
         for _ in range(10):
             engine.step()
-        before = len(future.result(timeout=0) if future.done() else engine._running[0].tokens)
+        before = len(engine.batch.running[0].tokens)
         swap = engine.swap_weights(7, dict(new))
         engine.step()
     run_until_done(engine, [future])
