@@ -134,6 +134,8 @@ class Engine:
         hf_logging.disable_progress_bar()
         if dtype not in DTYPES:
             raise InferenceError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise InferenceError("--device cuda, but CUDA is not available here")
         if not (Path(path) / "config.json").is_file():
             raise InferenceError(f"{path} is not a model directory (no config.json)")
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -69,7 +69,10 @@ def _usage(result: RequestResult) -> dict[str, int]:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict[str, Any]:
     ctx: ServerContext = request.app.state.ctx
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    # OpenAI's "developer" role is the system role of templates that predate it.
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
+    ]
     try:
         text = ctx.tokenizer.apply_chat_template(
             messages, add_generation_prompt=body.add_generation_prompt, tokenize=False

@@ -29,9 +29,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
-from stream_rl.config import InferenceConfig, ModelConfig
-from stream_rl.errors import StreamRLError
+from stream_rl.config import InferenceConfig, ModelConfig, format_validation_error
+from stream_rl.errors import ConfigError, StreamRLError
 from stream_rl.inference import openai_routes, weights_routes
 from stream_rl.inference.context import APIError, ReceiverFactory, ServerContext, validation_message
 from stream_rl.inference.engine import Engine
@@ -211,19 +212,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main_serve(args: argparse.Namespace) -> int:
     token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
-    inference = InferenceConfig(
-        host=args.host,
-        device=args.device,
-        max_batch=args.max_batch,
-        kv_policy=args.kv_policy,
-        admin_token=token,
-        torch_threads=args.threads,
-        weights_timeout_s=args.weights_timeout,
-        seed=args.seed,
-    )
+    try:
+        inference = InferenceConfig(
+            host=args.host,
+            device=args.device,
+            max_batch=args.max_batch,
+            kv_policy=args.kv_policy,
+            admin_token=token,
+            torch_threads=args.threads,
+            weights_timeout_s=args.weights_timeout,
+            seed=args.seed,
+        )
+        model = ModelConfig(path=args.model, dtype=args.dtype)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, "stream-rl serve")) from exc
     run(
         inference,
-        ModelConfig(path=args.model, dtype=args.dtype),
+        model,
         port=args.port,
         port_file=args.port_file,
         served_model_name=args.served_model_name,

@@ -69,3 +69,10 @@ def test_make_model_then_serve_then_sigterm(tmp_path: Path, capsys: pytest.Captu
             server.kill()
             raise
     assert code == 0
+
+
+def test_serve_reports_bad_options_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", "--model", str(tmp_path / "missing")]) == 2
+    assert "not a model directory" in capsys.readouterr().err
+    assert cli.main(["serve", "--model", str(tmp_path), "--max-batch", "0"]) == 2
+    assert "max_batch" in capsys.readouterr().err
