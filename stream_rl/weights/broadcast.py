@@ -46,10 +46,10 @@ def send_buckets(
     wake = wake or threading.Event()
     device = group.device
     ring_bytes = max((bucket_nbytes(b) for b in plan if len(b) > 1), default=0)
-    ring: list[torch.Tensor | None] = [None] * IN_FLIGHT
-    in_flight: deque[dist.Work] = deque()
+    in_flight: deque[_InFlight] = deque()
     offset = 0
-    for index, bucket in enumerate(plan):
+    posted = 0  # buckets broadcast so far: picks the staging slot
+    for bucket in plan:
         tensors = sources[offset : offset + len(bucket)]
         offset += len(bucket)
         size = bucket_nbytes(bucket)
@@ -58,24 +58,40 @@ def send_buckets(
         if len(tensors) == 1 and tensors[0].device == device and tensors[0].is_contiguous():
             payload = tensor_bytes(tensors[0])
         else:
-            slot = index % IN_FLIGHT  # free: its previous bucket completed two steps ago
-            buffer = ring[slot]
-            if buffer is None or buffer.numel() < size:
-                buffer = torch.empty(max(ring_bytes, size), dtype=torch.uint8, device=device)
-                ring[slot] = buffer
+            # Free: the bucket posted two before this one (the slot's last user) has completed.
+            buffer = group.staging(posted % IN_FLIGHT, max(ring_bytes, size))
             payload = pack_bucket(tensors, out=buffer)
-        work = group.broadcast(payload, deadline - time.monotonic())
-        if group.backend == "gloo":
-            work.get_future().add_done_callback(lambda _f: wake.set())
-        in_flight.append(work)
+        in_flight.append(
+            _InFlight(group.broadcast(payload, deadline - time.monotonic()), group.backend, wake)
+        )
+        posted += 1
         if len(in_flight) == IN_FLIGHT:
             await_work(in_flight.popleft(), group, deadline=deadline, abort=abort, wake=wake)
     while in_flight:
         await_work(in_flight.popleft(), group, deadline=deadline, abort=abort, wake=wake)
 
 
+class _InFlight:
+    """A started collective and how to tell that it ended.
+
+    Gloo: its future's completion, which also sets `wake` (`Work.is_completed()` turns true a
+    little after the future's callbacks ran, so it could miss the wake-up). NCCL: the future
+    completes before the GPU does, so `is_completed()` (the CUDA event) is polled.
+    """
+
+    def __init__(self, work: dist.Work, backend: str, wake: threading.Event) -> None:
+        self.work = work
+        self.poll_s = 0.05 if backend == "gloo" else 0.001
+        self._future = work.get_future() if backend == "gloo" else None
+        if self._future is not None:
+            self._future.add_done_callback(lambda _f: wake.set())
+
+    def done(self) -> bool:
+        return self._future.done() if self._future is not None else self.work.is_completed()
+
+
 def await_work(
-    work: dist.Work,
+    item: _InFlight,
     group: SyncGroup,
     *,
     deadline: float,
@@ -83,12 +99,9 @@ def await_work(
     wake: threading.Event,
 ) -> None:
     """Wait for one collective, giving up on `abort()` or at the deadline."""
-    # Woken by the work's completion (gloo future callback) or by `abort`'s source; NCCL
-    # futures complete before the GPU does, so NCCL work is polled instead.
-    poll_s = 0.05 if group.backend == "gloo" else 0.001
     while True:
         wake.clear()
-        if work.is_completed():
+        if item.done():
             break
         reason = abort()
         if reason is not None:
@@ -96,8 +109,8 @@ def await_work(
         left = deadline - time.monotonic()
         if left <= 0:
             raise WeightSyncError(f"broadcast not received within the deadline ({group.timeout_s:.1f} s)")
-        wake.wait(min(left, poll_s))
+        wake.wait(min(left, item.poll_s))
     try:
-        work.wait()
+        item.work.wait()
     except RuntimeError as exc:  # gloo reports a peer's failure or timeout this way
         raise WeightSyncError(f"broadcast failed: {exc}") from exc

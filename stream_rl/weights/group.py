@@ -109,6 +109,7 @@ class SyncGroup:
         self.timeout_s = timeout_s
         self.device = torch.device("cpu") if backend == "gloo" else torch.device(device)
         self._store: dist.Store | None = store
+        self._staging: dict[int, torch.Tensor] = {}
         try:
             self._pg: _Backend | None = self._build(store, local_addr)
             marker = torch.tensor([_HANDSHAKE if rank == 0 else 0], dtype=torch.int64, device=self.device)
@@ -152,6 +153,19 @@ class SyncGroup:
             opts.timeout = timedelta(seconds=max(timeout_s, 0.001))
         return self._pg.broadcast([tensor], opts)
 
+    def staging(self, slot: int, nbytes: int) -> torch.Tensor:
+        """A reusable 1-D uint8 buffer of `nbytes` on the group's device, one per `slot`.
+
+        Kept across updates: allocating (and first touching) fresh buffers every update costs
+        more than the copies themselves for small models. The caller must not reuse a slot
+        while a collective on it is pending.
+        """
+        buffer = self._staging.get(slot)
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._staging[slot] = buffer
+        return buffer[:nbytes]
+
     @property
     def closed(self) -> bool:
         return self._pg is None
@@ -169,3 +183,4 @@ class SyncGroup:
         """
         self._pg = None
         self._store = None
+        self._staging = {}

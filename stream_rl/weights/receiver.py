@@ -125,11 +125,11 @@ class WeightReceiver:
         plan = plan_buckets(metas, bucket_bytes)
         staged = [b for b in plan if len(b) > 1]
         ring_bytes = max((bucket_nbytes(b) for b in staged), default=0)
-        ring: list[torch.Tensor | None] = [None] * _IN_FLIGHT
         pending: deque[_Pending] = deque()
         done = False
         try:
-            for index, bucket in enumerate(plan):
+            posted = 0  # buckets posted so far: picks the staging slot (empty ones are skipped)
+            for bucket in plan:
                 size = bucket_nbytes(bucket)
                 if size == 0:  # only empty tensors: nothing travels
                     for meta in bucket:
@@ -141,15 +141,12 @@ class WeightReceiver:
                 target = _direct_target(dsts, group.device)
                 direct = target is not None
                 if target is None:
-                    slot = index % _IN_FLIGHT
-                    buffer = ring[slot]
-                    if buffer is None or buffer.numel() < size:
-                        buffer = torch.empty(max(ring_bytes, size), dtype=torch.uint8, device=group.device)
-                        ring[slot] = buffer
-                    target = buffer[:size]
+                    # Free: the bucket posted two before (the slot's last user) was copied out.
+                    target = group.staging(posted % _IN_FLIGHT, max(ring_bytes, size))[:size]
                 pending.append(
                     _Pending(bucket, dsts, target, direct, group.broadcast(target, self.timeout_s))
                 )
+                posted += 1
                 if len(pending) == _IN_FLIGHT:
                     self._finish(pending.popleft())
             while pending:

@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from multiprocessing.context import BaseContext
+from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Protocol
@@ -65,16 +65,17 @@ class Spawn(Protocol):
 
 
 @pytest.fixture(scope="module")
-def forkserver() -> BaseContext:
+def forkserver() -> ForkServerContext:
     """Servers fork from one process that imported torch once (each import costs seconds here)."""
     sys.path.insert(0, str(FAKES))  # so that the forkserver finds `weight_server`
     ctx = mp.get_context("forkserver")
+    assert isinstance(ctx, ForkServerContext)
     ctx.set_forkserver_preload(["torch", "stream_rl.weights", "weight_server"])
     return ctx
 
 
 @pytest.fixture
-def spawn(forkserver: BaseContext) -> Iterator[Spawn]:
+def spawn(forkserver: ForkServerContext) -> Iterator[Spawn]:
     """Start fake servers for `small_model()`, one per options dict (see `weight_server.serve`)."""
     import weight_server
 
