@@ -209,3 +209,25 @@ def test_llama_architecture_greedy_equals_transformers(tmp_path: Path) -> None:
     results = engine.generate(PROMPTS[:3], greedy(16))
     engine.stop()
     assert [r.sequences[0].token_ids for r in results] == [hf_greedy(reference, p, 16) for p in PROMPTS[:3]]
+
+
+def test_slot_moves_and_cache_growth_keep_greedy_exact(model, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    reference = copy.deepcopy(model)
+    engine = Engine(model, tokenizer, max_batch=2)
+    assert engine.batch.cache.capacity == 256
+    # The short one (slot 0) finishes first: the long one moves into its slot (KV copied), then
+    # grows past the initial 256 positions (the cache doubles).
+    short = engine.submit(PROMPTS[1], greedy(10))
+    long = engine.submit(PROMPTS[2], greedy(260))
+    run_until_done(engine, [short, long])
+    assert engine.batch.cache.capacity == 512
+    assert short.result().sequences[0].token_ids == hf_greedy(reference, PROMPTS[1], 10)
+    assert long.result().sequences[0].token_ids == hf_greedy(reference, PROMPTS[2], 260)
+
+
+def test_generation_stops_at_the_models_maximum_length(model, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    model.config.max_position_embeddings = 48
+    engine = Engine(model, tokenizer, max_batch=2)
+    seq = engine.generate([PROMPTS[2]], greedy(100))[0].sequences[0]
+    engine.stop()
+    assert seq.finish_reason == "length" and len(PROMPTS[2]) + len(seq.token_ids) == 48
