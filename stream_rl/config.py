@@ -111,6 +111,10 @@ class InferenceConfig(Model):
     written into run directories: the launcher passes it to its children in the environment."""
     torch_threads: int = Field(1, ge=1)
     """torch intra-op threads per server process."""
+    weights_timeout_s: float = Field(60.0, gt=0)
+    """Timeout of the weight-sync group's collectives on the server side (join, each update)."""
+    seed: int | None = None
+    """Seed of the sampling of requests that carry no seed (None: fresh entropy per server start)."""
 
 
 class ActorConfig(Model):
