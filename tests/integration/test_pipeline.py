@@ -1,6 +1,6 @@
-"""loader -> actor -> verifier -> preprocessor on a real broker, with the fake inference servers
-(always) and the real tiny inference server (when `stream_rl.inference` is installed), and the
-admission tests with a fake trainer that publishes weight versions."""
+"""loader -> actor -> verifier -> preprocessor on a real broker, each test twice: with fake inference
+servers (a known policy, so exact expectations) and with the real tiny inference server (one per
+module, in a thread); and the admission tests with a fake trainer that publishes weight versions."""
 
 from __future__ import annotations
 
@@ -39,9 +39,6 @@ class Inference:
 
 @pytest.fixture(scope="module")
 def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    pytest.importorskip(
-        "stream_rl.inference.testing", reason="the inference server is not on this branch yet"
-    )
     import torch
 
     from stream_rl.inference.engine import Engine
