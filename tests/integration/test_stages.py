@@ -163,82 +163,66 @@ def test_preprocessor_killed_mid_group_restarts_and_emits_every_sample_exactly_o
     kafka: KafkaTransport, run_names: TopicNames, kafka_bootstrap: str, tmp_path: Path
 ) -> None:
     n_groups, g = 30, 4
-    config = make_config(
-        run_names, kafka_bootstrap, preprocessor={"batch_size": 3, "max_untrained_batches": 4}
-    )
+    config = make_config(run_names, kafka_bootstrap, preprocessor={"batch_size": 3})
     config_path = tmp_path / "run.yaml"
     config_path.write_text(dump_config(config))
-    p = kafka.producer("test-verifier")
     records = [
         make_scored(i, k, g, reward=float((i + k) % 2), run_id=run_names.run)
         for i in range(n_groups)
         for k in range(g)
     ]
-    for s in records:
-        p.produce(run_names[SCORED], serde.encode(s), key=s.rollout.group_id)
-    p.flush()
-    cmd = [
-        sys.executable,
-        "-m",
-        "stream_rl.cli",
-        "preprocessor",
-        "--config",
-        str(config_path),
-        "--idle-timeout",
-        "3",
-    ]
+    half = records[15 * g + 2 - 1]  # the 2nd sample of group 15: the group is half received
+    producer = kafka.producer("test-verifier")
+
+    def send(batch: list[ScoredRollout]) -> None:
+        for s in batch:
+            producer.produce(run_names[SCORED], serde.encode(s), key=s.rollout.group_id)
+        producer.flush()
+
+    cmd = [sys.executable, "-m", "stream_rl.cli", "preprocessor", "--config", str(config_path)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     batches_topic = run_names[TRAINING_BATCHES]
 
-    def start(*extra: str) -> subprocess.Popen[str]:
+    def start() -> subprocess.Popen[str]:
         return subprocess.Popen(
-            [*cmd, *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            [*cmd, "--idle-timeout", "60"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
         )
 
     def kill(proc: subprocess.Popen[str]) -> None:
-        os.kill(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
 
-    # 1. With no trainer the backpressure bound stops it after a few transactions: kill it there,
-    #    with groups half received.
+    def half_group_is_open() -> bool:
+        state = latest_state(kafka, run_names).get(half.rollout.group_id)
+        return state is not None and not state.closed and len(state.samples) == 2
+
+    # 1. Fifteen groups and half of the sixteenth; kill it once that half is in its state.
+    send(records[: 15 * g + 2])
     proc = start()
     try:
-        wait_for(lambda: count(kafka, batches_topic) >= 4, what="the first batches")
-        wait_for(
-            lambda: any(s is not None and not s.closed for s in latest_state(kafka, run_names).values()),
-            what="an open group in the state topic",
-        )
-        assert proc.poll() is None
+        wait_for(half_group_is_open, what="the half group in the state topic")
     finally:
         kill(proc)
-    committed = sum(
-        max(o, 0) for o in kafka.group_offsets(run_names.group("preprocessor"), run_names[SCORED]).values()
-    )
-    assert 0 < committed < n_groups * g
-    # 2. Restarted without the bound, killed again as soon as it makes progress (likely inside a
-    #    transaction this time).
+    # 2. The rest, with re-deliveries of samples already consumed (an at-least-once upstream);
+    #    restarted, and killed again as soon as it makes progress (likely inside a transaction).
+    send(records[15 * g + 2 :] + [records[3 * g], half, records[15 * g]])
     before = count(kafka, batches_topic)
-    proc = start("--set", "preprocessor.max_untrained_batches=100000")
+    proc = start()
     try:
-        wait_for(lambda: count(kafka, batches_topic) > before or proc.poll() is not None, what="progress")
+        wait_for(lambda: count(kafka, batches_topic) > before, what="progress after the restart")
     finally:
-        if proc.poll() is None:
-            kill(proc)
+        kill(proc)
     # 3. Restarted once more: it finishes the input.
-    res = subprocess.run(
-        [*cmd, "--set", "preprocessor.max_untrained_batches=100000"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    res = subprocess.run([*cmd, "--idle-timeout", "3"], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     batches = [serde.decode(m.value, TrainingBatch) for m in read(kafka, batches_topic)]
     samples = [s for b in batches for s in b.samples]
-    assert sorted(s.rollout_id for s in samples) == sorted(
-        r.rollout.rollout_id for r in records
-    )  # exactly once
+    # Exactly once: every sample, none twice (duplicates and aborted transactions dropped).
+    assert sorted(s.rollout_id for s in samples) == sorted(r.rollout.rollout_id for r in records)
     assert set(Counter(s.group_id for s in samples).values()) == {g}  # every group complete
-    # Groups were emitted whole: no batch holds part of a group whose other samples went elsewhere
-    # before the group was complete (each group's samples come from one transaction).
     assert all(s is None or s.closed for s in latest_state(kafka, run_names).values())
