@@ -23,8 +23,8 @@ sample reaches `training-batches` exactly once and every group is complete (or d
   admission) accounts for every admitted sample.
 - Packing: `packing.pack` (first-fit decreasing, `max_tokens_per_microbatch`, `max_batch_bytes`).
 - Backpressure: before each poll, hold while the offsets of `training-batches` written but not
-  consumed by the trainer (the trainer group's committed offset, or the consumed offset its
-  latest `WeightVersion` reports, whichever is further) exceed `max_untrained_batches`.
+  consumed by the trainer (as its latest `WeightVersion` reports) exceed `max_untrained_batches`,
+  raised at run time to two optimizer steps' worth so that the trainer can always step.
 
 Run alone: `stream-rl preprocessor --config run.yaml [--instance i]`.
 """
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import time
 
 from prometheus_client import Counter
@@ -73,7 +74,15 @@ class Preprocessor:
         self.producer_id = f"preprocessor-{instance}"
         self.serde = default_serde()
         self.parts: dict[int, PartitionGroups] = {}
-        self.counts = {"duplicates": 0, "emitted": 0, "filtered": 0, "timed_out": 0, "batches": 0}
+        self.counts = {
+            "duplicates": 0,
+            "emitted": 0,
+            "filtered": 0,
+            "timed_out": 0,
+            "batches": 0,
+            "samples": 0,
+            "offsets": 0,
+        }
         self._last_expiry = 0.0
         self._backlog_checked = 0.0
         self._last_hold_log = 0.0
@@ -204,6 +213,10 @@ class Preprocessor:
         ):
             out.append(Output(self.batches_topic, data, key=tb.batch_id))
             self.counts["batches"] += 1
+            self.counts["offsets"] += 1
+            self.counts["samples"] += tb.num_samples + tb.num_filtered
+        if samples or filtered:
+            self.counts["offsets"] += 1  # the transaction's commit marker in training-batches
         return out
 
     def _dead_letter(self, p: int, gid: str, pending: list[PendingSample], group_size: int) -> list[Output]:
@@ -227,19 +240,24 @@ class Preprocessor:
 
     # -- backpressure --------------------------------------------------------------------------
     def untrained(self) -> int:
-        """Offsets of training-batches written and not yet consumed by the trainer."""
+        """Offsets of training-batches written and not yet consumed by the trainer, as its latest
+        `WeightVersion` reports them (the trainer commits its group offsets only at checkpoints)."""
         marks = self.transport.watermarks(self.batches_topic)
-        committed = self.transport.group_offsets(self.names.group("trainer"), self.batches_topic)
         reported: dict[int, int] = {}
         latest = self.follower.latest
         for o in latest.consumed_offsets if latest else []:
             if o.topic == self.batches_topic:
                 reported[o.partition] = o.offset
-        total = 0
-        for p, (low, high) in marks.items():
-            consumed = max(low, committed.get(p, -1), reported.get(p, -1))
-            total += max(high - consumed, 0)
-        return total
+        return sum(max(high - max(low, reported.get(p, -1)), 0) for p, (low, high) in marks.items())
+
+    def bound(self) -> int:
+        """`max_untrained_batches`, raised to two optimizer steps' worth of offsets (at the density
+        this instance writes) so that the trainer always gets enough to take its next step."""
+        written, samples = self.counts["offsets"], self.counts["samples"]
+        if not written or not samples:
+            return self.cfg.max_untrained_batches
+        per_step = math.ceil(self.config.trainer.samples_per_step * written / samples)
+        return max(self.cfg.max_untrained_batches, 2 * per_step)
 
     def hold(self) -> None:
         """`before_poll`: wait while the trainer is more than `max_untrained_batches` behind."""
@@ -247,7 +265,7 @@ class Preprocessor:
             return  # checked a moment ago, and it was within the bound
         while not self.stop:
             backlog = self.untrained()
-            if backlog <= self.cfg.max_untrained_batches:
+            if backlog <= self.bound():
                 self._backlog_checked = time.monotonic()
                 return
             if time.monotonic() - self._last_hold_log > 10:
@@ -256,7 +274,7 @@ class Preprocessor:
                     "%s: holding: %d batches not yet trained (bound %d)",
                     self.producer_id,
                     backlog,
-                    self.cfg.max_untrained_batches,
+                    self.bound(),
                 )
             self.stop.wait(0.2)
 

@@ -9,14 +9,20 @@ from dataclasses import replace
 import pytest
 
 from stream_rl.config import RunConfig
-from stream_rl.contracts import PartialGroup, ScoredRollout, TrainingBatch, TrainingSample
+from stream_rl.contracts import (
+    PartialGroup,
+    PartitionOffset,
+    ScoredRollout,
+    TrainingBatch,
+    TrainingSample,
+)
 from stream_rl.kafka.memory import MemoryTransport
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.stage import StopFlag
-from stream_rl.kafka.topics import SCORED, TRAINING_BATCHES, TopicNames
+from stream_rl.kafka.topics import SCORED, TRAINING_BATCHES, WEIGHT_VERSIONS, TopicNames
 from stream_rl.rl.advantages import compute_advantages
 from stream_rl.stages import preprocessor
-from stream_rl.testing import f32, make_scored
+from stream_rl.testing import f32, make_scored, make_weight_version
 
 pytestmark = pytest.mark.unit
 serde = default_serde()
@@ -151,12 +157,31 @@ def test_backpressure_holds_until_the_trainer_catches_up() -> None:
         p.produce(NAMES[TRAINING_BATCHES], b"batch", key="b")
     stop = StopFlag()
     pre = preprocessor.Preprocessor(make_config(max_untrained_batches=3), t, stop, 0)
-    assert pre.untrained() == 5
-    released = threading.Event()
-    thread = threading.Thread(target=lambda: (pre.hold(), released.set()), daemon=True)
-    thread.start()
-    assert not released.wait(0.5)  # holding: 5 > 3
-    consumer = t.consumer(NAMES.group("trainer"), "trainer")
-    consumer.commit({(NAMES[TRAINING_BATCHES], 0): 2})
-    assert released.wait(5)  # 3 <= 3
-    assert pre.untrained() == 3
+    pre.follower.start()
+    try:
+        assert pre.untrained() == 5
+        released = threading.Event()
+        thread = threading.Thread(target=lambda: (pre.hold(), released.set()), daemon=True)
+        thread.start()
+        assert not released.wait(0.5)  # holding: 5 > 3
+        # The trainer reports what it consumed in its WeightVersion.
+        wv = replace(
+            make_weight_version(1, run_id="r"),
+            consumed_offsets=[PartitionOffset(NAMES[TRAINING_BATCHES], 0, 2)],
+        )
+        p.produce(NAMES[WEIGHT_VERSIONS], serde.encode(wv), key="r")
+        assert released.wait(5)  # 3 <= 3
+        assert pre.untrained() == 3
+    finally:
+        stop.set()
+        pre.follower.stop()
+
+
+def test_the_bound_covers_two_optimizer_steps() -> None:
+    config = RunConfig.model_validate(
+        {"run": "r", "preprocessor": {"max_untrained_batches": 4}, "trainer": {"samples_per_step": 64}}
+    )
+    pre = preprocessor.Preprocessor(config, transport(), StopFlag(), 0)
+    assert pre.bound() == 4
+    pre.counts.update(offsets=10, samples=40)  # 4 samples per offset: 16 offsets per step
+    assert pre.bound() == 32
