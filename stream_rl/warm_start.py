@@ -15,6 +15,7 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from stream_rl.errors import TaskError
 from stream_rl.tasks import get_task
@@ -46,7 +47,7 @@ def _examples(task: Task, seed: int) -> list[tuple[list[dict[str, str]], str]]:
 def warm_start(
     model_dir: str | Path,
     task_name: str = "arithmetic",
-    task_params: dict | None = None,  # type: ignore[type-arg]
+    task_params: dict[str, Any] | None = None,
     *,
     steps: int = 800,
     batch_size: int = 64,
