@@ -15,6 +15,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from stream_rl.cli import add_common
@@ -63,7 +64,7 @@ def latest_version(transport: Transport, names: TopicNames) -> WeightVersion | N
     return None
 
 
-def table(rows: list[tuple[str, ...]]) -> str:
+def table(rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
@@ -105,7 +106,7 @@ class StatusView:
                 f"broadcast {wv.broadcast_ms:.0f} ms, servers failed {len(wv.servers_failed)}"
             )
         if procs:
-            rows = [("process", "pid", "alive", "in/s", "out/s", "dlq")]
+            rows: list[tuple[str, ...]] = [("process", "pid", "alive", "in/s", "out/s", "dlq")]
             for name, port in sorted(procs.get("metrics_ports", {}).items()):
                 pid = procs.get("pids", {}).get(name)
                 metrics = scrape(f"http://127.0.0.1:{port}/metrics") if port else None
@@ -122,7 +123,7 @@ class StatusView:
             parts.append(table(rows))
             rows = [("server", "health", "version", "running", "waiting", "tokens/s")]
             for url in procs.get("servers", []):
-                m = scrape(f"{url}/metrics")
+                m: dict[str, float] | None = scrape(f"{url}/metrics")
                 rows.append(
                     (
                         url,
@@ -144,9 +145,11 @@ class StatusView:
             entry = agg.setdefault((x.group.rsplit(".", 1)[-1], x.topic.rsplit(".", 1)[-1]), [0, 0])
             entry[0] += x.lag
             entry[1] = max(entry[1], x.oldest_age_s or 0.0)
-        rows = [("group", "topic", "lag", "oldest unconsumed")]
-        rows += [(g, t, str(int(v[0])), f"{v[1]:.1f}s" if v[0] else "-") for (g, t), v in sorted(agg.items())]
-        parts.append(table(rows))
+        lag_rows: list[tuple[str, ...]] = [("group", "topic", "lag", "oldest unconsumed")]
+        lag_rows += [
+            (g, t, str(int(v[0])), f"{v[1]:.1f}s" if v[0] else "-") for (g, t), v in sorted(agg.items())
+        ]
+        parts.append(table(lag_rows))
         return "\n\n".join(parts)
 
 
