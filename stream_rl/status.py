@@ -14,8 +14,8 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from stream_rl.cli import add_common
@@ -123,20 +123,20 @@ class StatusView:
             parts.append(table(rows))
             rows = [("server", "health", "version", "running", "waiting", "tokens/s")]
             for url in procs.get("servers", []):
-                m: dict[str, float] | None = scrape(f"{url}/metrics")
+                sm = scrape(f"{url}/metrics")
                 rows.append(
                     (
                         url,
-                        "ok" if m and m.get("stream_rl_inference_engine_up") else "DOWN",
+                        "ok" if sm and sm.get("stream_rl_inference_engine_up") else "DOWN",
                         *(
-                            str(int(m.get(k, 0))) if m else "-"
+                            str(int(sm.get(k, 0))) if sm else "-"
                             for k in (
                                 "stream_rl_inference_weight_version",
                                 "stream_rl_inference_running",
                                 "stream_rl_inference_waiting",
                             )
                         ),
-                        f"{m.get('stream_rl_inference_tokens_per_second', 0):.0f}" if m else "-",
+                        f"{sm.get('stream_rl_inference_tokens_per_second', 0):.0f}" if sm else "-",
                     )
                 )
             parts.append(table(rows))
