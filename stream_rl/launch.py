@@ -289,7 +289,9 @@ class Launcher:
             for child in self.children:
                 if child.role != "server":
                     self.spawn(child)
-            self.write_ports()
+            from stream_rl.metrics import serve_metrics
+
+            self.write_ports(serve_metrics(0))
             monitor.start()
             max_wall = self.config.launcher.max_wall_s
             while not self.stop:
