@@ -158,20 +158,33 @@ class Launcher:
         (child_dir / "cmd.txt").write_text(" ".join(cmd) + "\n")
         self.children.append(Child(name, role, cmd, child_dir, port, restartable))
 
-    def write_ports(self) -> None:
+    def write_ports(self, launcher_port: int) -> None:
+        """processes.json (for `stream-rl status`) and prometheus-targets.json (file_sd for
+        deploy/prometheus.yml)."""
         ports = {c.name: c.metrics_port for c in self.children if c.metrics_port}
         servers = self.server_urls()
+        pids = {c.name: c.proc.pid for c in self.children if c.proc}
         (self.run_dir / "processes.json").write_text(
             json.dumps(
                 {
                     "bootstrap": self.bootstrap,
                     "metrics_ports": ports,
                     "servers": servers,
-                    "pids": {c.name: c.proc.pid for c in self.children if c.proc},
+                    "launcher_port": launcher_port,
+                    "pids": pids,
                 },
                 indent=2,
             )
         )
+        run = self.config.run
+
+        def target(address: str, process: str, role: str) -> dict[str, Any]:
+            return {"targets": [address], "labels": {"run": run, "process": process, "role": role}}
+
+        targets = [target(f"127.0.0.1:{port}", name, name.rsplit("-", 1)[0]) for name, port in ports.items()]
+        targets += [target(url.split("://", 1)[-1], f"server-{i}", "server") for i, url in enumerate(servers)]
+        targets.append(target(f"127.0.0.1:{launcher_port}", "launcher", "launcher"))
+        (self.run_dir / "prometheus-targets.json").write_text(json.dumps(targets, indent=2))
 
     def server_urls(self) -> list[str]:
         inf = self.config.inference
