@@ -266,24 +266,27 @@ class Launcher:
         return True
 
     def stop_all(self) -> None:
-        live = [c for c in self.children if c.proc and c.proc.poll() is None]
-        # Stop producers first so downstream stages can drain, the servers last.
-        order = {"loader": 0, "actor": 1, "verifier": 2, "preprocessor": 3, "trainer": 4, "server": 5}
-        for child in sorted(live, key=lambda c: order.get(c.role, 9)):
-            assert child.proc is not None
-            child.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for child in live:
-            assert child.proc is not None
-            try:
-                child.proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                print(
-                    f"{child.name} did not stop within {STOP_GRACE_S:.0f}s of SIGTERM: killing it",
-                    file=sys.stderr,
-                )
-                child.proc.kill()
-                child.proc.wait()
+        """SIGTERM in waves, each drained before the next: producers first (so downstream
+        stages see their last records), the trainer after the stages, the servers last (an
+        actor finishing its in-flight requests still needs them)."""
+        waves = [("loader", "actor"), ("verifier", "preprocessor"), ("trainer",), ("server",)]
+        for roles in waves:
+            live = [c for c in self.children if c.role in roles and c.proc and c.proc.poll() is None]
+            for child in live:
+                assert child.proc is not None
+                child.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            for child in live:
+                assert child.proc is not None
+                try:
+                    child.proc.wait(max(deadline - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    print(
+                        f"{child.name} did not stop within {STOP_GRACE_S:.0f}s of SIGTERM: killing it",
+                        file=sys.stderr,
+                    )
+                    child.proc.kill()
+                    child.proc.wait()
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> int:

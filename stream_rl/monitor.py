@@ -104,7 +104,6 @@ class RunMonitor:
                 samples_s=f"{last.samples_trained / elapsed:.1f}",
                 refresh=False,
             )
-            self._bar.refresh()
 
     def _sample(self) -> None:
         try:
