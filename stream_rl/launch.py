@@ -82,8 +82,12 @@ class Launcher:
         cfg = self.config.kafka
         if cfg.bootstrap or os.environ.get("STREAM_RL_KAFKA_BOOTSTRAP"):
             return resolve_bootstrap(None, cfg.bootstrap)
-        self.broker = LocalBroker(cfg.data_dir, port=cfg.port)
-        return self.broker.up(quiet=False).bootstrap
+        broker = LocalBroker(cfg.data_dir, port=cfg.port)
+        already_running = broker.running() is not None
+        bootstrap = broker.up(quiet=False).bootstrap
+        if not already_running:
+            self.broker = broker  # ours to stop at the end
+        return bootstrap
 
     def apply_topics(self) -> None:
         from stream_rl.kafka.client import KafkaTransport
@@ -327,6 +331,14 @@ class Launcher:
         finally:
             self.stop_all()
             monitor.close()
+            if self.broker is not None and not self.config.launcher.keep_broker:
+                self.broker.down(quiet=True)
+                print(
+                    f"stopped the local Kafka broker; its data stays in {self.broker.data_dir} "
+                    f"(`stream-rl kafka up --data-dir {self.config.kafka.data_dir} --port {self.config.kafka.port}` "
+                    f"brings it back, e.g. to replay)",
+                    file=sys.stderr,
+                )
             summary = monitor.finish(
                 wall_s=time.monotonic() - started,
                 exit_reason=self.exit_reason,
