@@ -26,6 +26,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("serve", "stream_rl.inference.server", "run the built-in inference server (OpenAI API + weight sync)"),
     ("run", "stream_rl.launch", "launch a whole run from a config: broker, topics, servers, stages"),
     ("report", "stream_rl.report", "re-derive a finished run's summary.json and plots"),
+    ("status", "stream_rl.status", "live table of a run: processes, servers, lag, trainer version"),
 ]
 
 

@@ -242,6 +242,9 @@ class LauncherConfig(Model):
     """Preprocessor processes."""
     max_wall_s: float | None = Field(None, gt=0)
     """Stop the run after this many seconds."""
+    keep_broker: bool = False
+    """Leave the local broker the launcher started running after the run (its data stays on disk
+    either way; `stream-rl kafka up` brings it back for replay)."""
 
 
 class RunConfig(Model):
