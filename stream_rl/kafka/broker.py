@@ -242,8 +242,8 @@ class LocalBroker:
                     "kafka.tools.StorageTool",
                     "format",
                     "--standalone",
-                    "-t",
-                    cluster_id,
+                    # `=`: a base64 id may start with "-", which argparse4j would take for an option.
+                    f"--cluster-id={cluster_id}",
                     "-c",
                     str(config),
                 ],

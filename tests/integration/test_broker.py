@@ -63,3 +63,15 @@ def test_missing_java_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setenv("PATH", str(tmp_path))  # neither java nor mvn
     with pytest.raises(BrokerError, match="java not found on PATH: install a JDK 17"):
         LocalBroker(tmp_path / "k", port=free_port())._java()
+
+
+def test_a_cluster_id_starting_with_a_dash_formats(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import uuid
+
+    # base64url of these bytes starts with "-": argparse4j must not read it as an option.
+    monkeypatch.setattr(uuid, "uuid4", lambda: uuid.UUID(bytes=b"\xfb" + b"\x00" * 15))
+    broker = LocalBroker(tmp_path / "k", port=free_port())
+    try:
+        assert broker.up(quiet=True).pid > 0
+    finally:
+        broker.down(quiet=True)
