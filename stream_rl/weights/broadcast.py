@@ -113,4 +113,9 @@ def await_work(
     try:
         item.work.wait()
     except RuntimeError as exc:  # gloo reports a peer's failure or timeout this way
+        if "timeout" in str(exc).lower():
+            # gloo's own timer (the group's timeout) can fire just before ours: same cause.
+            raise WeightSyncError(
+                f"broadcast not received within the deadline ({group.timeout_s:.1f} s): {exc}"
+            ) from exc
         raise WeightSyncError(f"broadcast failed: {exc}") from exc
