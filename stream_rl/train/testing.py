@@ -4,9 +4,17 @@ training batches (not used by the stages)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from stream_rl.config import RunConfig
 from stream_rl.contracts import TrainingBatch, TrainingSample, Verdict, VersionSpan
+from stream_rl.errors import WeightSyncError
+from stream_rl.kafka.serde import default_serde
+from stream_rl.kafka.topics import TRAINING_BATCHES, TopicNames
+from stream_rl.kafka.transport import Transport
 from stream_rl.testing import f32
 
 
@@ -105,3 +113,82 @@ def make_batches(
             )
         )
     return out
+
+
+def stage_config(tmp: Path, model_dir: Path, run: str = "r1", **trainer: object) -> RunConfig:
+    """A run config for trainer tests: runs under `tmp/runs`, no inference servers, small steps."""
+    return RunConfig.model_validate(
+        {
+            "run": run,
+            "runs_dir": str(Path(tmp) / "runs"),
+            "model": {"path": str(model_dir)},
+            "inference": {"num_servers": 0},
+            "trainer": {"samples_per_step": 4, "lr": 1e-3, "max_steps": 100, **trainer},
+        }
+    )
+
+
+def produce_batches(
+    transport: Transport, names: TopicNames, batches: Sequence[TrainingBatch | bytes]
+) -> None:
+    """Write micro-batches (or raw bytes, to test the DLQ) to the run's `training-batches`."""
+    serde = default_serde()
+    producer = transport.producer("test-batches")
+    for b in batches:
+        value = b if isinstance(b, bytes) else serde.encode(b)
+        producer.produce(names.topic(TRAINING_BATCHES), value, key="k")
+    producer.flush()
+    producer.close()
+
+
+def setup_topics(transport: Transport, run: str, batches: Sequence[TrainingBatch | bytes]) -> TopicNames:
+    """Create a run's topics (in-memory transport: `create_topics`) and write `batches`."""
+    names = TopicNames(run=run)
+    transport.create_topics(names.all_topics())
+    produce_batches(transport, names, batches)
+    return names
+
+
+@dataclass
+class FakeReport:
+    version: int
+    broadcast_ms: float
+    updated: list[str]
+    failed: dict[str, str] = field(default_factory=dict)
+    per_server: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+class FakePusher:
+    """A hand-written stand-in for `WeightSender`: records (version, checksum) of each push; can
+    drop a server at a version (`drop_at`) or fail like a crash (`crash_at`)."""
+
+    def __init__(self, crash_at: int | None = None, drop_at: int | None = None) -> None:
+        self.urls = ["http://a:1", "http://b:2"]
+        self.live: list[str] = []
+        self.pushed: list[tuple[int, str]] = []
+        self.crash_at = crash_at
+        self.drop_at = drop_at
+        self.closed = False
+
+    @property
+    def live_servers(self) -> list[str]:
+        return list(self.live)
+
+    def connect(self) -> dict[str, str]:
+        self.live = list(self.urls)
+        return {}
+
+    def push(self, version: int, named_tensors: Sequence[tuple[str, Any]], bucket_bytes: int) -> FakeReport:
+        from stream_rl.weights.checksum import weights_checksum
+
+        if version == self.crash_at:
+            raise WeightSyncError("simulated crash")
+        self.pushed.append((version, weights_checksum(named_tensors)))
+        failed = {}
+        if version == self.drop_at and "http://b:2" in self.live:
+            self.live.remove("http://b:2")
+            failed["http://b:2"] = "timed out"
+        return FakeReport(version, 1.5, list(self.live), failed)
+
+    def close(self) -> None:
+        self.closed = True

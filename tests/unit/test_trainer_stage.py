@@ -4,13 +4,11 @@ step boundaries, lineage, pushes, DLQ, stop/resume and re-trained versions after
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from stream_rl.config import RunConfig
 from stream_rl.contracts import TrainingBatch, WeightVersion, WeightVersionKind
 from stream_rl.errors import WeightSyncError
 from stream_rl.kafka.memory import MemoryTransport
@@ -19,8 +17,14 @@ from stream_rl.kafka.stage import StopFlag
 from stream_rl.kafka.topics import TRAINING_BATCHES, WEIGHT_VERSIONS, TopicNames
 from stream_rl.stages import trainer as trainer_stage
 from stream_rl.train.checkpoint import latest_checkpoint, read_state
-from stream_rl.train.testing import make_batches, make_tiny_model
-from stream_rl.weights.checksum import weights_checksum
+from stream_rl.train.testing import (
+    FakePusher,
+    make_batches,
+    make_tiny_model,
+    produce_batches,
+    setup_topics,
+    stage_config,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -32,73 +36,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
-@dataclass
-class FakeReport:
-    version: int
-    broadcast_ms: float
-    updated: list[str]
-    failed: dict[str, str] = field(default_factory=dict)
-    per_server: dict[str, dict[str, float]] = field(default_factory=dict)
-
-
-class FakePusher:
-    """Records what it was asked to push; can fail a server or simulate a crash at a version."""
-
-    def __init__(self, crash_at: int | None = None, drop_at: int | None = None) -> None:
-        self.urls = ["http://a:1", "http://b:2"]
-        self.live: list[str] = []
-        self.pushed: list[tuple[int, str]] = []
-        self.crash_at = crash_at
-        self.drop_at = drop_at
-        self.closed = False
-
-    @property
-    def live_servers(self) -> list[str]:
-        return list(self.live)
-
-    def connect(self) -> dict[str, str]:
-        self.live = list(self.urls)
-        return {}
-
-    def push(self, version: int, named_tensors: Any, bucket_bytes: int) -> FakeReport:
-        if version == self.crash_at:
-            raise WeightSyncError("simulated crash")
-        self.pushed.append((version, weights_checksum(named_tensors)))
-        failed = {}
-        if version == self.drop_at and "http://b:2" in self.live:
-            self.live.remove("http://b:2")
-            failed["http://b:2"] = "timed out"
-        return FakeReport(version, 1.5, list(self.live), failed)
-
-    def close(self) -> None:
-        self.closed = True
-
-
-def make_config(tmp: Path, model_dir: Path, run: str = "r1", **trainer: Any) -> RunConfig:
-    return RunConfig.model_validate(
-        {
-            "run": run,
-            "runs_dir": str(tmp / "runs"),
-            "model": {"path": str(model_dir)},
-            "inference": {"num_servers": 0},
-            "trainer": {"samples_per_step": 4, "lr": 1e-3, "max_steps": 100, **trainer},
-        }
-    )
-
-
-def setup_topics(transport: MemoryTransport, run: str, batches: list[TrainingBatch]) -> TopicNames:
-    names = TopicNames(run=run)
-    transport.create_topics(names.all_topics())
-    produce(transport, names, batches)
-    return names
-
-
-def produce(transport: MemoryTransport, names: TopicNames, batches: list[TrainingBatch | bytes]) -> None:  # type: ignore[type-arg]
-    p = transport.producer("test")
-    for b in batches:
-        value = b if isinstance(b, bytes) else SERDE.encode(b)
-        p.produce(names.topic(TRAINING_BATCHES), value, key="k")
-    p.flush()
+make_config = stage_config
 
 
 def versions(transport: MemoryTransport, names: TopicNames) -> list[WeightVersion]:
@@ -165,7 +103,9 @@ def test_bad_records_go_to_the_dlq(tmp_path: Path, model_dir: Path) -> None:
     assert wvs[1].consumed_offsets[0].offset == 4 and wvs[1].samples_trained == 4
 
 
-def reference_checksums(tmp_path: Path, model_dir: Path, batches: list[TrainingBatch], **kw: Any) -> list[str]:
+def reference_checksums(
+    tmp_path: Path, model_dir: Path, batches: list[TrainingBatch], **kw: Any
+) -> list[str]:
     transport = MemoryTransport()
     names = setup_topics(transport, "ref", batches)
     trainer_stage.run(make_config(tmp_path / "ref", model_dir, run="ref", **kw), transport, idle_timeout_s=1)
@@ -184,7 +124,7 @@ def test_stop_mid_step_then_resume_matches_uninterrupted(tmp_path: Path, model_d
     ckpt = latest_checkpoint(tmp_path / "runs" / "r1" / "trainer" / "checkpoints")
     assert ckpt is not None and read_state(ckpt).offsets == {(names.topic(TRAINING_BATCHES), 0): 4}
     assert transport.group_offsets(names.group("trainer"), names.topic(TRAINING_BATCHES)) == {0: 4}
-    produce(transport, names, batches[5:])  # type: ignore[arg-type]
+    produce_batches(transport, names, batches[5:])
     second = trainer_stage.run(cfg, transport, idle_timeout_s=1)
     assert second.version == 4 and second.published == 2  # version 2 re-broadcast, not re-published
     assert [w.checksum for w in versions(transport, names)] == ref
