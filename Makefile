@@ -33,8 +33,11 @@ pytest: setup
 
 test: setup lint typecheck pytest
 
+# Until the launcher lands, the demo brings up the local broker and the demo run's topics.
 demo: setup
-	$(PY) -m stream_rl.cli demo
+	$(VENV)/bin/stream-rl kafka up
+	$(VENV)/bin/stream-rl topics apply --config configs/demo-cpu.yaml
+	$(VENV)/bin/stream-rl topics list --config configs/demo-cpu.yaml
 
 clean-venv:
 	rm -rf $(VENV)

@@ -18,6 +18,8 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("kafka", "stream_rl.kafka.commands", "local Kafka broker: fetch, up, down, status"),
     ("topics", "stream_rl.kafka.commands", "create (apply) or list a run's topics"),
     ("lag", "stream_rl.kafka.commands", "consumer lag of a run's groups"),
+    ("run", "stream_rl.launch", "launch a whole run from a config: broker, topics, servers, stages"),
+    ("report", "stream_rl.report", "re-derive a finished run's summary.json and plots"),
     ("trainer", "stream_rl.stages.trainer", "train on training-batches, broadcast weights, publish versions"),
     ("replay", "stream_rl.train.replay", "re-run a stage on a run's topics (trainer: compare checksums)"),
 ]

@@ -17,6 +17,7 @@ from stream_rl.errors import ConfigError
 
 DEFAULT_PREFIX = "stream-rl"
 BOOTSTRAP_ENV = "STREAM_RL_KAFKA_BOOTSTRAP"
+ADMIN_TOKEN_ENV = "STREAM_RL_ADMIN_TOKEN"
 
 
 class Model(BaseModel):
@@ -103,8 +104,11 @@ class InferenceConfig(Model):
     """Maximum sequences decoded together (continuous batching)."""
     kv_policy: Literal["keep", "recompute"] = "keep"
     """After an in-flight update: keep the old-weight KV cache (PipelineRL) or recompute it."""
-    admin_token: SecretStr | None = None
-    """Bearer token required by `/weights/*` when set."""
+    admin_token: SecretStr | None = Field(
+        default_factory=lambda: SecretStr(t) if (t := os.environ.get(ADMIN_TOKEN_ENV)) else None
+    )
+    """Bearer token required by `/weights/*` when set (default: $STREAM_RL_ADMIN_TOKEN). Never
+    written into run directories: the launcher passes it to its children in the environment."""
     torch_threads: int = Field(1, ge=1)
     """torch intra-op threads per server process."""
 
@@ -337,5 +341,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def dump_config(config: RunConfig) -> str:
-    """The resolved config as YAML (secrets masked), as written into run directories."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    """The resolved config as YAML, as written into run directories. Secrets are left out (they
+    travel in the environment), so the file reloads to the same config minus the secret."""
+    data = config.model_dump(mode="json")
+    data["inference"]["admin_token"] = None
+    return yaml.safe_dump(data, sort_keys=False)

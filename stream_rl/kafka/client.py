@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import confluent_kafka as ck
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -18,10 +18,25 @@ from stream_rl.kafka.transport import (
 )
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+T = TypeVar("T")
 
 
 def _fail(what: str, exc: ck.KafkaException) -> KafkaError:
     return KafkaError(f"{what}: {exc.args[0] if exc.args else exc}")
+
+
+def _retry_transient(fn: Callable[[], T], what: str, timeout: float = 15.0) -> T:
+    """Retry an admin call on retriable errors (e.g. leader elections right after a restart)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return fn()
+        except ck.KafkaException as exc:
+            err = exc.args[0] if exc.args else None
+            retriable = isinstance(err, ck.KafkaError) and err.retriable()
+            if not retriable or time.monotonic() > deadline:
+                raise _fail(what, exc) from exc
+            time.sleep(0.2)
 
 
 def _headers(headers: Headers | None) -> list[tuple[str, bytes]] | None:
@@ -141,7 +156,7 @@ class KafkaConsumer:
             "partition.assignment.strategy": "cooperative-sticky",
             "max.partition.fetch.bytes": MAX_MESSAGE_BYTES,
             "fetch.wait.max.ms": 50,
-            "session.timeout.ms": 10000,
+            "session.timeout.ms": 6000,  # the broker minimum: a dead member is noticed fast
             "heartbeat.interval.ms": 1000,
             "max.poll.interval.ms": 600000,
         }
@@ -254,8 +269,9 @@ class KafkaTransport:
     def producer(self, client_id: str, transactional_id: str | None = None) -> KafkaProducer:
         return KafkaProducer(self.bootstrap, client_id, transactional_id)
 
-    def consumer(self, group_id: str | None, client_id: str) -> KafkaConsumer:
-        return KafkaConsumer(self.bootstrap, group_id, client_id)
+    def consumer(self, group_id: str | None, client_id: str, instance_id: str | None = None) -> KafkaConsumer:
+        extra = {"group.instance.id": instance_id} if instance_id and group_id else None
+        return KafkaConsumer(self.bootstrap, group_id, client_id, extra)
 
     def partitions(self, topic: str, timeout: float = 10.0) -> list[int]:
         try:
@@ -268,23 +284,22 @@ class KafkaTransport:
         return sorted(t.partitions)
 
     def watermarks(self, topic: str) -> dict[int, tuple[int, int]]:
+        return _retry_transient(lambda: self._watermarks(topic), f"list offsets of {topic}")
+
+    def _watermarks(self, topic: str) -> dict[int, tuple[int, int]]:
         from confluent_kafka.admin import OffsetSpec
 
         parts = self.partitions(topic)
-        out: dict[int, tuple[int, int]] = {}
-        for spec_name, idx in (("earliest", 0), ("latest", 1)):
-            spec = OffsetSpec.earliest() if spec_name == "earliest" else OffsetSpec.latest()
+        out: dict[int, tuple[int, int]] = {p: (0, 0) for p in parts}
+        for idx, spec in enumerate((OffsetSpec.earliest(), OffsetSpec.latest())):
             futs = self.admin.list_offsets(
                 {ck.TopicPartition(topic, p): spec for p in parts},
                 isolation_level=ck.IsolationLevel.READ_COMMITTED,
                 request_timeout=15,
             )
             for tp, fut in futs.items():
-                try:
-                    off = fut.result().offset
-                except ck.KafkaException as exc:
-                    raise _fail(f"list offsets of {topic}", exc) from exc
-                low, high = out.get(tp.partition, (0, 0))
+                off = fut.result().offset
+                low, high = out[tp.partition]
                 out[tp.partition] = (off, high) if idx == 0 else (low, off)
         return out
 

@@ -45,7 +45,11 @@ def _names(args: argparse.Namespace) -> tuple[TopicNames, str, int | None]:
 
 
 def add_topics_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=["apply", "list"])
+    p.add_argument(
+        "action",
+        choices=["apply", "list", "table"],
+        help="apply: create the run's topics; list: with record counts; table: the topology as Markdown",
+    )
     p.add_argument("--run", help="run name (topic namespace)")
     p.add_argument("--prefix", default=None, help=f"topic prefix (default {DEFAULT_PREFIX})")
     p.add_argument("--partitions", type=int, default=None, help="partitions of the scalable topics")
@@ -55,6 +59,11 @@ def add_topics_arguments(p: argparse.ArgumentParser) -> None:
 def main_topics(args: argparse.Namespace) -> int:
     from stream_rl.kafka.client import KafkaTransport
 
+    if args.action == "table":
+        from stream_rl.kafka.topics import topology_markdown
+
+        print(topology_markdown())
+        return 0
     if args.action == "list" and not args.run and not args.config:
         transport = KafkaTransport(resolve_bootstrap(args.bootstrap))
         prefix = (args.prefix or DEFAULT_PREFIX) + "."

@@ -264,7 +264,9 @@ class MemoryTransport:
     def producer(self, client_id: str, transactional_id: str | None = None) -> MemoryProducer:
         return MemoryProducer(self.broker, transactional_id)
 
-    def consumer(self, group_id: str | None, client_id: str) -> MemoryConsumer:
+    def consumer(
+        self, group_id: str | None, client_id: str, instance_id: str | None = None
+    ) -> MemoryConsumer:
         return MemoryConsumer(self.broker, group_id)
 
     def watermarks(self, topic: str) -> dict[int, tuple[int, int]]:

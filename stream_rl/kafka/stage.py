@@ -139,6 +139,7 @@ class StageLoop(Generic[T]):
         dlq_topic: str | None,
         client_id: str | None = None,
         transactional_id: str | None = None,
+        instance_id: str | None = None,
         serde: Serde | None = None,
         batch_size: int = 64,
         poll_timeout_s: float = 0.2,
@@ -162,7 +163,8 @@ class StageLoop(Generic[T]):
         self.transactional = transactional_id is not None
         self.stats = StageStats()
         client_id = client_id or name
-        self.consumer: Consumer = transport.consumer(group, client_id)
+        # A stable instance id (static membership) lets a restarted instance resume at once.
+        self.consumer: Consumer = transport.consumer(group, client_id, instance_id or transactional_id)
         self.producer: Producer = transport.producer(client_id, transactional_id)
         self._user_on_assign = on_assign
         self._user_on_revoke = on_revoke

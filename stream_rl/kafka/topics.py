@@ -155,3 +155,21 @@ def publish_schemas(transport: Transport, names: TopicNames, serde: Serde | None
     producer.flush()
     producer.close()
     return len(records)
+
+
+def topology_markdown() -> str:
+    """The topology as a Markdown table (the README embeds it; a test keeps them equal)."""
+    rows = [
+        "| topic | key | value | producer | consumer groups (followers) | partitions | retention | cleanup | DLQ |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in load_topology().values():
+        readers = ", ".join(s.consumers) or "—"
+        if s.followers:
+            readers += f" ({', '.join(s.followers)})"
+        retention = "forever" if s.retention_ms < 0 else f"{s.retention_ms / 86_400_000:g} d"
+        rows.append(
+            f"| `{s.name}` | {s.key} | `{s.value}` | {s.producer} | {readers} | {s.partitions} | "
+            f"{retention} | {s.cleanup_policy} | {'yes' if s.dlq else 'no'} |"
+        )
+    return "\n".join(rows)

@@ -106,7 +106,11 @@ class Consumer(Protocol):
 class Transport(Protocol):
     def producer(self, client_id: str, transactional_id: str | None = None) -> Producer: ...
 
-    def consumer(self, group_id: str | None, client_id: str) -> Consumer: ...
+    def consumer(self, group_id: str | None, client_id: str, instance_id: str | None = None) -> Consumer:
+        """A consumer in `group_id` (None: assign-only, never commits). `instance_id` makes it a
+        static group member: a restarted instance with the same id takes its partitions back at
+        once instead of waiting for the session timeout of its dead predecessor."""
+        ...
 
     def watermarks(self, topic: str) -> dict[int, tuple[int, int]]:
         """(low, high) offsets of every partition of a topic (high = end, read_committed)."""

@@ -60,3 +60,13 @@ def test_partition_override_keeps_single_partition_topics_single() -> None:
     assert parts["stream-rl.r.preprocessor-state"] == 3
     assert parts["stream-rl.r.training-batches"] == 1
     assert parts["stream-rl.r.weight-versions"] == 1
+
+
+def test_readme_table_is_the_rendered_topology() -> None:
+    from pathlib import Path
+
+    from stream_rl.kafka.topics import topology_markdown
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("<!-- topology:begin -->\n")[1].split("\n<!-- topology:end -->")[0]
+    assert block == topology_markdown(), "README topic table is stale: paste `stream-rl topics table`"

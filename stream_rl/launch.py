@@ -1,0 +1,350 @@
+"""`stream-rl run CONFIG [--set key=value ...]`: the launcher. It only launches.
+
+1. validates the config (one-line errors naming the bad key);
+2. starts the local broker unless a bootstrap address is configured, applies the run's topics;
+3. writes each child's resolved config and start command into `runs/<run>/<child>/`, starts the
+   inference servers, the trainer, the loader, and the actor/verifier/preprocessor instances;
+4. supervises: a child that dies stops the run with a message naming it and the tail of its
+   log (or is restarted, same instance id, when `launcher.restart` is set); a progress bar shows
+   step, reward, version lag and samples/s from `weight-versions`;
+5. stops everything after the trainer's final version (`trainer.max_steps`), on Ctrl-C, or after
+   `launcher.max_wall_s`, then writes `summary.json` and the plots (`stream_rl/report.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stream_rl.config import ADMIN_TOKEN_ENV, RunConfig, dump_config, load_config
+from stream_rl.contracts import WeightVersionKind
+from stream_rl.errors import StreamRLError
+from stream_rl.kafka.broker import LocalBroker, free_port
+from stream_rl.kafka.stage import StopFlag
+
+STOP_GRACE_S = 20.0
+SAMPLE_EVERY_S = 2.0
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    cmd: list[str]
+    dir: Path
+    metrics_port: int | None = None
+    restartable: bool = True
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+
+    @property
+    def log(self) -> Path:
+        return self.dir / "stdout.log"
+
+    def tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def child_env(config: RunConfig) -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if config.inference.admin_token is not None:
+        env[ADMIN_TOKEN_ENV] = config.inference.admin_token.get_secret_value()
+    return env
+
+
+class Launcher:
+    def __init__(self, config: RunConfig, stop: StopFlag) -> None:
+        self.config = config
+        self.stop = stop
+        self.run_dir = config.run_dir
+        self.children: list[Child] = []
+        self.bootstrap = ""
+        self.broker: LocalBroker | None = None
+        self.exit_reason = ""
+        self.failed: Child | None = None
+
+    # -- preparation -----------------------------------------------------------------------
+    def start_broker(self) -> str:
+        from stream_rl.kafka.broker import resolve_bootstrap
+
+        cfg = self.config.kafka
+        if cfg.bootstrap or os.environ.get("STREAM_RL_KAFKA_BOOTSTRAP"):
+            return resolve_bootstrap(None, cfg.bootstrap)
+        self.broker = LocalBroker(cfg.data_dir, port=cfg.port)
+        return self.broker.up(quiet=False).bootstrap
+
+    def apply_topics(self) -> None:
+        from stream_rl.kafka.client import KafkaTransport
+        from stream_rl.kafka.topics import TopicNames, apply_topics, publish_schemas
+
+        kafka = KafkaTransport(self.bootstrap)
+        names = TopicNames(run=self.config.run, prefix=self.config.kafka.prefix)
+        report = apply_topics(kafka, names, self.config.kafka.partitions)
+        publish_schemas(kafka, names)
+        for line in report.drift:
+            print(f"warning: topic differs from the topology: {line}", file=sys.stderr)
+
+    def plan(self) -> None:
+        """Build every child's command and write its config and command into its directory."""
+        cfg = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+        py = [sys.executable, "-m", "stream_rl.cli"]
+        inf = cfg.inference
+        if not inf.servers:
+            for i in range(inf.num_servers):
+                cmd = [
+                    *py,
+                    "serve",
+                    "--model",
+                    cfg.model.path,
+                    "--dtype",
+                    cfg.model.dtype,
+                    "--host",
+                    inf.host,
+                    "--port",
+                    str(inf.base_port + i),
+                    "--device",
+                    inf.device,
+                    "--max-batch",
+                    str(inf.max_batch),
+                    "--kv-policy",
+                    inf.kv_policy,
+                    "--threads",
+                    str(inf.torch_threads),
+                    "--seed",
+                    str(cfg.seed + i),
+                ]
+                self._add(f"server-{i}", "server", cmd, metrics=False)
+        stage_counts = [
+            ("trainer", 1),
+            ("loader", 1),
+            ("preprocessor", cfg.launcher.preprocessors),
+            ("verifier", cfg.launcher.verifiers),
+            ("actor", cfg.launcher.actors),
+        ]
+        for role, count in stage_counts:
+            for i in range(count):
+                name = f"{role}-{i}" if count > 1 or role in ("actor", "verifier", "preprocessor") else role
+                child_dir = self.run_dir / name
+                child_dir.mkdir(parents=True, exist_ok=True)
+                config_path = child_dir / "config.yaml"
+                config_path.write_text(dump_config(cfg))
+                cmd = [*py, role, "--config", str(config_path), "--bootstrap", self.bootstrap]
+                if role != "loader":
+                    cmd += ["--instance", str(i)]
+                self._add(name, role, cmd, metrics=role != "loader", restartable=role != "loader")
+
+    def _add(
+        self, name: str, role: str, cmd: list[str], metrics: bool = True, restartable: bool = True
+    ) -> None:
+        child_dir = self.run_dir / name
+        child_dir.mkdir(parents=True, exist_ok=True)
+        port = free_port() if metrics else None
+        if port is not None:
+            cmd = [*cmd, "--metrics-port", str(port)]
+        (child_dir / "cmd.txt").write_text(" ".join(cmd) + "\n")
+        self.children.append(Child(name, role, cmd, child_dir, port, restartable))
+
+    def write_ports(self) -> None:
+        ports = {c.name: c.metrics_port for c in self.children if c.metrics_port}
+        servers = self.server_urls()
+        (self.run_dir / "processes.json").write_text(
+            json.dumps(
+                {
+                    "bootstrap": self.bootstrap,
+                    "metrics_ports": ports,
+                    "servers": servers,
+                    "pids": {c.name: c.proc.pid for c in self.children if c.proc},
+                },
+                indent=2,
+            )
+        )
+
+    def server_urls(self) -> list[str]:
+        inf = self.config.inference
+        if inf.servers:
+            return [s.url for s in inf.servers]
+        return [f"http://{inf.host}:{inf.base_port + i}" for i in range(inf.num_servers)]
+
+    # -- processes -------------------------------------------------------------------------
+    def spawn(self, child: Child) -> None:
+        # The child gets its own copy of the log's file descriptor; ours closes at once.
+        with open(child.log, "ab") as log:
+            child.proc = subprocess.Popen(
+                child.cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=child_env(self.config),
+            )
+        child.started_at = time.monotonic()
+
+    def wait_for_servers(self, timeout: float = 120.0) -> None:
+        import httpx
+
+        servers = [c for c in self.children if c.role == "server"]
+        deadline = time.monotonic() + timeout
+        for url in self.server_urls():
+            while True:
+                dead = next((c for c in servers if c.proc and c.proc.poll() is not None), None)
+                if dead is not None:
+                    self.failed = dead
+                    raise StreamRLError(self.death_message(dead))
+                try:
+                    if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise StreamRLError(f"inference server {url} not healthy after {timeout:.0f}s")
+                if self.stop:
+                    return
+                time.sleep(0.3)
+
+    def death_message(self, child: Child) -> str:
+        code = child.proc.returncode if child.proc else None
+        how = (
+            f"killed by {signal.Signals(-code).name}"
+            if code is not None and code < 0
+            else f"exit code {code}"
+        )
+        return f"{child.name} died ({how}); last lines of {child.log}:\n{child.tail()}"
+
+    def check_children(self) -> bool:
+        """Handle exits; returns False when the run must stop."""
+        for child in self.children:
+            if child.proc is None or child.proc.poll() is None:
+                continue
+            code = child.proc.returncode
+            if child.role == "loader" and code == 0:
+                continue  # the loader's job is done
+            if child.role == "trainer" and code == 0:
+                self.exit_reason = "trainer finished"
+                return False
+            if (
+                self.config.launcher.restart
+                and child.restartable
+                and child.restarts < self.config.launcher.max_restarts
+            ):
+                child.restarts += 1
+                print(
+                    f"\n{self.death_message(child)}\nrestarting {child.name} "
+                    f"({child.restarts}/{self.config.launcher.max_restarts})",
+                    file=sys.stderr,
+                )
+                self.spawn(child)
+                continue
+            self.failed = child
+            self.exit_reason = f"{child.name} died"
+            return False
+        return True
+
+    def stop_all(self) -> None:
+        live = [c for c in self.children if c.proc and c.proc.poll() is None]
+        # Stop producers first so downstream stages can drain, the servers last.
+        order = {"loader": 0, "actor": 1, "verifier": 2, "preprocessor": 3, "trainer": 4, "server": 5}
+        for child in sorted(live, key=lambda c: order.get(c.role, 9)):
+            assert child.proc is not None
+            child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in live:
+            assert child.proc is not None
+            try:
+                child.proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                print(
+                    f"{child.name} did not stop within {STOP_GRACE_S:.0f}s of SIGTERM: killing it",
+                    file=sys.stderr,
+                )
+                child.proc.kill()
+                child.proc.wait()
+
+    # -- the run ---------------------------------------------------------------------------
+    def run(self) -> int:
+        from stream_rl.monitor import RunMonitor
+
+        started = time.monotonic()
+        self.bootstrap = self.start_broker()
+        self.apply_topics()
+        self.plan()
+        monitor = RunMonitor(self.config, self.bootstrap)
+        try:
+            for child in self.children:
+                if child.role == "server":
+                    self.spawn(child)
+            self.wait_for_servers()
+            for child in self.children:
+                if child.role != "server":
+                    self.spawn(child)
+            self.write_ports()
+            monitor.start()
+            max_wall = self.config.launcher.max_wall_s
+            while not self.stop:
+                if not self.check_children():
+                    break
+                monitor.tick()
+                latest = monitor.latest
+                if latest is not None and latest.kind == WeightVersionKind.FINAL:
+                    self.exit_reason = f"reached max_steps ({latest.step})"
+                    break
+                if max_wall is not None and time.monotonic() - started > max_wall:
+                    self.exit_reason = f"max_wall_s ({max_wall:.0f}s) reached"
+                    break
+                time.sleep(0.5)
+            else:
+                self.exit_reason = self.stop.reason or "stopped"
+        finally:
+            self.stop_all()
+            monitor.close()
+            summary = monitor.finish(
+                wall_s=time.monotonic() - started,
+                exit_reason=self.exit_reason,
+                failed=self.failed.name if self.failed else None,
+            )
+        if self.failed is not None:
+            print(f"\nrun {self.config.run} stopped: {self.death_message(self.failed)}", file=sys.stderr)
+            return 1
+        _print_summary(summary, self.run_dir)
+        return 0
+
+
+def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
+    r = summary.get("reward", {})
+    print(
+        f"\nrun finished ({summary.get('exit_reason')}) in {summary.get('wall_s', 0):.0f}s: "
+        f"versions {summary.get('versions', {}).get('last', '-')}, "
+        f"reward {r.get('first3_mean', float('nan')):.3f} -> {r.get('last3_mean', float('nan')):.3f}"
+    )
+    print(f"summary: {run_dir / 'summary.json'}; plots: {run_dir / 'plots'}")
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config_file", metavar="CONFIG", help="run config YAML (see configs/)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set trainer.max_steps=20 (repeatable)",
+    )
+
+
+def main_run(args: argparse.Namespace) -> int:
+    config = load_config(args.config_file, args.overrides)
+    stop = StopFlag()
+    stop.install_signal_handlers()
+    return Launcher(config, stop).run()

@@ -1,0 +1,153 @@
+"""What the launcher watches while a run goes: the `weight-versions` lineage, broker lag per
+consumer group and topic end offsets, sampled into `runs/<run>/timeline.jsonl`; a progress bar;
+at the end `summary.json` and the plots (`stream_rl/report.py`)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from tqdm import tqdm
+
+from stream_rl.config import RunConfig
+from stream_rl.contracts import WeightVersion
+from stream_rl.errors import KafkaError
+from stream_rl.kafka.client import KafkaTransport
+from stream_rl.kafka.follower import VersionFollower
+from stream_rl.kafka.lag import run_lags
+from stream_rl.kafka.topics import PROBLEMS, RAW_ROLLOUTS, SCORED, TRAINING_BATCHES, TopicNames
+
+SAMPLE_EVERY_S = 2.0
+STAGE_TOPICS = {
+    "loader": PROBLEMS,
+    "actor": RAW_ROLLOUTS,
+    "verifier": SCORED,
+    "preprocessor": TRAINING_BATCHES,
+}
+
+
+class RunMonitor:
+    def __init__(self, config: RunConfig, bootstrap: str, progress: bool = True) -> None:
+        self.config = config
+        self.run_dir = config.run_dir
+        self.kafka = KafkaTransport(bootstrap)
+        self.names = TopicNames(run=config.run, prefix=config.kafka.prefix)
+        self.t0 = time.time()
+        self._timeline_path = self.run_dir / "timeline.jsonl"
+        self._timeline: IO[str] | None = None
+        self._follower = VersionFollower(self.kafka, self.names, client_id="launcher", keep_history=True)
+        self._seen = 0
+        self._last_sample = 0.0
+        self._bar: tqdm[Any] | None = None
+        self._progress = progress
+
+    def start(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._timeline = open(self._timeline_path, "a")  # noqa: SIM115 - lives until finish()
+        self._write({"kind": "start", "wall_time": self.t0, "config": self.config.run})
+        self._follower.start()
+        if self._progress:
+            self._bar = tqdm(
+                total=self.config.trainer.max_steps,
+                unit="step",
+                dynamic_ncols=True,
+                desc=self.config.run,
+                smoothing=0.1,
+            )
+
+    @property
+    def latest(self) -> WeightVersion | None:
+        return self._follower.latest
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._timeline is None:
+            return
+        record = {"t": round(time.time() - self.t0, 3), **record}
+        self._timeline.write(json.dumps(record) + "\n")
+        self._timeline.flush()
+
+    def tick(self) -> None:
+        """Record new versions, sample lag/offsets every few seconds, refresh the bar."""
+        history = self._follower.history
+        for wv in history[self._seen :]:
+            self._write(
+                {
+                    "kind": "version",
+                    "version": wv.version,
+                    "step": wv.step,
+                    "vkind": wv.kind.value,
+                    "samples_trained": wv.samples_trained,
+                    "samples_filtered": wv.samples_filtered,
+                    "tokens_trained": wv.tokens_trained,
+                    "broadcast_ms": wv.broadcast_ms,
+                    "servers_failed": len(wv.servers_failed),
+                    "created_ms": wv.created_ms,
+                    **wv.metrics,
+                }
+            )
+            if self._bar is not None and wv.step > self._bar.n:
+                self._bar.update(wv.step - self._bar.n)
+        self._seen = len(history)
+        now = time.time()
+        if now - self._last_sample >= SAMPLE_EVERY_S:
+            self._last_sample = now
+            self._sample()
+        if self._bar is not None and history:
+            last = history[-1]
+            elapsed = max(now - self.t0, 1e-9)
+            self._bar.set_postfix(
+                reward=f"{last.metrics.get('reward_mean', float('nan')):.3f}",
+                lag=f"{last.metrics.get('version_lag_mean', float('nan')):.2f}",
+                samples_s=f"{last.samples_trained / elapsed:.1f}",
+                refresh=False,
+            )
+            self._bar.refresh()
+
+    def _sample(self) -> None:
+        try:
+            offsets = {}
+            for stage, topic in STAGE_TOPICS.items():
+                marks = self.kafka.watermarks(self.names[topic])
+                offsets[stage] = sum(h for _, h in marks.values())
+            lags: dict[str, int] = {}
+            for x in run_lags(self.kafka, self.names, with_age=False):
+                role = x.group.rsplit(".", 1)[-1]
+                lags[role] = lags.get(role, 0) + x.lag
+        except KafkaError:
+            return  # a transient admin failure costs one sample, not the run
+        self._write({"kind": "offsets", "offsets": offsets})
+        self._write({"kind": "lag", "lag": lags})
+
+    def close(self) -> None:
+        self.tick()
+        self._follower.stop()
+        if self._bar is not None:
+            self._bar.close()
+
+    def finish(self, wall_s: float, exit_reason: str, failed: str | None) -> dict[str, Any]:
+        from stream_rl.report import summarize, write_plots
+
+        if self._timeline is not None:
+            self._timeline.close()
+            self._timeline = None
+        summary = summarize(
+            load_timeline(self._timeline_path),
+            self.config,
+            wall_s=wall_s,
+            exit_reason=exit_reason,
+            failed=failed,
+        )
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_plots(load_timeline(self._timeline_path), self.run_dir / "plots")
+        return summary
+
+
+def load_timeline(path: Path) -> list[dict[str, Any]]:
+    """The records of the latest run in a timeline file (a relaunch appends a new `start`)."""
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    starts = [i for i, r in enumerate(records) if r.get("kind") == "start"]
+    return records[starts[-1] :] if starts else records
