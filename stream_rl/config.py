@@ -196,6 +196,9 @@ class TrainerConfig(Model):
     """A server that has not installed a version within this is taken out of routing."""
     backend: Literal["torch", "deepspeed"] = "torch"
     """Trainer backend: plain torch (CPU or one GPU) or DeepSpeed ZeRO (GPU, unverified here)."""
+    zero_stage: Literal[2, 3] = 3
+    """ZeRO stage of the deepspeed backend (2: optimizer state and gradients partitioned;
+    3: parameters too)."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Trainer device."""
     torch_threads: int = Field(1, ge=1)

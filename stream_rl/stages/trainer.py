@@ -44,7 +44,7 @@ from pathlib import Path
 
 from stream_rl.config import RunConfig, dump_config, load_config
 from stream_rl.contracts import PartitionOffset, TrainingBatch, WeightVersion, WeightVersionKind
-from stream_rl.errors import ContractError, WeightSyncError
+from stream_rl.errors import ConfigError, ContractError, WeightSyncError
 from stream_rl.kafka.serde import Serde, default_serde
 from stream_rl.kafka.stage import StopFlag, dlq_headers
 from stream_rl.kafka.topics import TRAINING_BATCHES, WEIGHT_VERSIONS, TopicNames
@@ -55,9 +55,10 @@ from stream_rl.train.accounting import StepRunner, unusable_reason
 from stream_rl.train.checkpoint import (
     CheckpointError,
     TrainerState,
+    checkpoint_root,
     latest_checkpoint,
-    load_training_state,
     read_state,
+    restore_rng,
     save_checkpoint,
 )
 from stream_rl.train.lineage import by_version, read_weight_versions
@@ -118,8 +119,7 @@ class TrainerStage:
         self.stop = stop if stop is not None else StopFlag()
         self.serde = serde or default_serde()
         self.run_dir = config.run_dir / "trainer"
-        ckpt = self.tcfg.checkpoint_dir
-        self.ckpt_dir = Path(ckpt) if ckpt else self.run_dir / "checkpoints"
+        self.ckpt_dir = checkpoint_root(config)
         self.stats = TrainerStats()
         self.bucket_bytes = int(self.tcfg.bucket_mb * 2**20)
         self._last_connect = 0.0
@@ -136,7 +136,8 @@ class TrainerStage:
             self._record_run()
             return
         self.state = read_state(ckpt)
-        self.trainer.load_state_dicts(*load_training_state(ckpt))
+        self.trainer.load_from(ckpt)
+        restore_rng(ckpt)
         if self.trainer.checksum() != self.state.checksum:
             raise CheckpointError(f"{ckpt}: weights do not match the checksum recorded with them")
         self._checkpointed_step = self.state.step
@@ -166,22 +167,26 @@ class TrainerStage:
 
     # -- weights out -------------------------------------------------------------------------
 
-    def _push(self, version: int) -> PushOutcome | None:
-        if self.pusher is None:
-            return None
-        expected = len(server_urls(self.config))
-        now = time.monotonic()
-        if len(self.pusher.live_servers) < expected and now - self._last_connect >= RECONNECT_EVERY_S:
-            self._last_connect = now
-            try:
-                self.pusher.connect()
-            except WeightSyncError as exc:
-                log.warning("re-joining dropped servers failed: %s", exc)
-        report = self.pusher.push(version, self.trainer.named_weights(), self.bucket_bytes)
-        for url, why in report.failed.items():
+    def _sync(self, version: int) -> tuple[str, PushOutcome | None]:
+        """The weights' checksum, and the push of `version` to the servers (gathered once)."""
+        from stream_rl.weights.checksum import weights_checksum
+
+        if self.pusher is not None:
+            expected = len(server_urls(self.config))
+            now = time.monotonic()
+            if len(self.pusher.live_servers) < expected and now - self._last_connect >= RECONNECT_EVERY_S:
+                self._last_connect = now
+                try:
+                    self.pusher.connect()
+                except WeightSyncError as exc:
+                    log.warning("re-joining dropped servers failed: %s", exc)
+        with self.trainer.full_weights() as named:
+            checksum = weights_checksum(named)
+            report = None if self.pusher is None else self.pusher.push(version, named, self.bucket_bytes)
+        for url, why in (report.failed if report else {}).items():
             log.warning("server %s dropped at version %d: %s", url, version, why)
             tm.SERVER_FAILURES.inc()
-        return report
+        return checksum, report
 
     def _publish(
         self,
@@ -228,14 +233,8 @@ class TrainerStage:
         self.stats.published += 1
 
     def _checkpoint(self, consumer: Consumer | None) -> str:
-        opt = self.trainer.state_dicts()
         path = save_checkpoint(
-            self.ckpt_dir,
-            self.trainer.model,
-            opt["optimizer"],
-            opt["scheduler"],
-            self.state,
-            keep=self.tcfg.keep_checkpoints,
+            self.ckpt_dir, self.trainer.save_to, self.state, keep=self.tcfg.keep_checkpoints
         )
         self._checkpointed_step = self.state.step
         tm.CHECKPOINTS.inc()
@@ -254,8 +253,7 @@ class TrainerStage:
         st.tokens_trained += acc.tokens
         st.samples_filtered += acc.samples_filtered
         st.offsets.update(acc.offsets)
-        st.checksum = self.trainer.checksum()
-        report = self._push(st.version)
+        st.checksum, report = self._sync(st.version)
         final = st.version >= tcfg.max_steps
         uri = None
         started = time.monotonic()
@@ -322,7 +320,7 @@ class TrainerStage:
             kind = WeightVersionKind.INIT if self.state.version == 0 else WeightVersionKind.UPDATE
             if self.state.version >= self.tcfg.max_steps:
                 kind = WeightVersionKind.FINAL
-            self._publish(kind, self._push(self.state.version), {})
+            self._publish(kind, self._sync(self.state.version)[1], {})
             tm.VERSION.set(self.state.version)
             parts = sorted(self.transport.watermarks(self.input_topic))
             consumer.assign(
@@ -336,6 +334,7 @@ class TrainerStage:
                     self._checkpoint(consumer)
             finally:
                 UP.labels(STAGE).set(0)
+                self.trainer.close()
                 consumer.close()
                 self.producer.close()
                 if self.pusher is not None:
@@ -400,6 +399,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-port", type=int, default=None, help="serve /metrics here (default trainer.metrics_port)"
     )
+    parser.add_argument(
+        "--instance", type=int, default=0, help="instance index (one trainer per run: only 0 is valid)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -407,6 +409,17 @@ def main(args: argparse.Namespace) -> int:
     from stream_rl.kafka.client import KafkaTransport
 
     config = load_config(args.config, args.overrides)
+    if args.instance != 0:
+        raise ConfigError(
+            "one trainer per run: --instance must be 0 (ranks come from the distributed launcher)"
+        )
+    if config.trainer.backend == "deepspeed":
+        from stream_rl.train import deepspeed_backend
+
+        deepspeed_backend.init_distributed(config.trainer.device)
+        if deepspeed_backend.is_follower():
+            deepspeed_backend.follow(config)
+            return 0
     transport = KafkaTransport(resolve_bootstrap(args.bootstrap, config.kafka.bootstrap))
     port = args.metrics_port if args.metrics_port is not None else config.trainer.metrics_port
     if port is not None:

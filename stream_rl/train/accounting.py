@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from stream_rl.contracts import TrainingBatch, TrainingSample, token_versions
 from stream_rl.kafka.transport import TopicPartition
 from stream_rl.rl.stats import TokenStats
-from stream_rl.train.step import PolicyTrainer, StepOutcome
+from stream_rl.train.step import StepOutcome, TrainerBackend
 
 
 @dataclass
@@ -75,7 +75,7 @@ class StepSummary:
 class StepRunner:
     """Accumulates micro-batches into one optimizer step of a `PolicyTrainer`."""
 
-    def __init__(self, trainer: PolicyTrainer) -> None:
+    def __init__(self, trainer: TrainerBackend) -> None:
         self.trainer = trainer
         self.acc = StepAccumulator()
 
@@ -115,6 +115,9 @@ class StepRunner:
         started = time.perf_counter()
         outcome = self.trainer.optimizer_step(acc.samples_trained)
         acc.compute_s += time.perf_counter() - started
+        if outcome.stats is not None:  # a backend that trains at step time (DeepSpeed)
+            acc.stats = outcome.stats
+            acc.loss_sum = outcome.loss_sum or 0.0
         self.acc = StepAccumulator()
         return StepSummary(acc=acc, outcome=outcome, metrics=step_metrics(acc, outcome))
 

@@ -4,8 +4,8 @@ Layout under the checkpoint directory (default `runs/<run>/trainer/checkpoints/`
 
     step-000012/            one checkpoint (written as `.tmp-step-000012-<pid>/`, fsynced, renamed)
       model/                HF `save_pretrained` (safetensors) of the trained weights
-      optimizer.pt          AdamW state_dict
-      scheduler.pt          LambdaLR state_dict
+      optimizer.pt          AdamW state_dict (torch backend; DeepSpeed: `deepspeed/`, its own
+      scheduler.pt          LambdaLR state_dict   layout, optimizer partitions per rank)
       rng.pt                torch CPU (and CUDA) RNG states; rng.json: python and numpy states
       state.json            version, step, counters, consumed offsets, checksum
     latest                  the name of the newest durable checkpoint (replaced atomically)
@@ -21,12 +21,14 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from stream_rl.config import RunConfig
 from stream_rl.errors import StreamRLError
 from stream_rl.kafka.transport import TopicPartition
 
@@ -58,6 +60,12 @@ class TrainerState:
     def from_json(cls, d: dict[str, Any]) -> TrainerState:
         offsets = {(o["topic"], int(o["partition"])): int(o["offset"]) for o in d.get("offsets", [])}
         return cls(**{**d, "offsets": offsets})
+
+
+def checkpoint_root(config: RunConfig) -> Path:
+    """`trainer.checkpoint_dir`, default `runs/<run>/trainer/checkpoints`."""
+    ckpt = config.trainer.checkpoint_dir
+    return Path(ckpt) if ckpt else config.run_dir / "trainer" / "checkpoints"
 
 
 def step_name(step: int) -> str:
@@ -101,15 +109,12 @@ def _set_rng_json(d: dict[str, Any]) -> None:
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
 
 
-def save_checkpoint(
-    root: Path,
-    model: torch.nn.Module,
-    optimizer: dict[str, Any],
-    scheduler: dict[str, Any],
-    state: TrainerState,
-    keep: int = 2,
-) -> Path:
-    """Write a checkpoint of `state.step` atomically and point `latest` at it; returns its path."""
+def save_checkpoint(root: Path, write: Callable[[Path], None], state: TrainerState, keep: int = 2) -> Path:
+    """Write a checkpoint of `state.step` atomically and point `latest` at it; returns its path.
+
+    `write(directory)` writes the backend's files (model, optimizer, scheduler) into the
+    temporary directory; this function adds the RNG states and `state.json`, then publishes it.
+    """
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
@@ -118,9 +123,7 @@ def save_checkpoint(
     final = root / name
     try:
         tmp.mkdir()
-        model.save_pretrained(str(tmp / "model"))  # type: ignore[operator]
-        torch.save(optimizer, tmp / "optimizer.pt")
-        torch.save(scheduler, tmp / "scheduler.pt")
+        write(tmp)
         rng: dict[str, Any] = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -169,11 +172,9 @@ def read_state(path: Path) -> TrainerState:
         raise CheckpointError(f"cannot read {path / 'state.json'}: {exc}") from exc
 
 
-def load_training_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Optimizer and scheduler state dicts of a checkpoint; restores the RNG states too."""
+def restore_rng(path: Path) -> None:
+    """Restore the RNG states saved in a checkpoint."""
     try:
-        optimizer = torch.load(path / "optimizer.pt", weights_only=True)
-        scheduler = torch.load(path / "scheduler.pt", weights_only=True)
         rng = torch.load(path / "rng.pt", weights_only=True)
         rng_json = json.loads((path / "rng.json").read_text())
     except (OSError, RuntimeError, ValueError) as exc:
@@ -182,4 +183,3 @@ def load_training_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     _set_rng_json(rng_json)
-    return optimizer, scheduler

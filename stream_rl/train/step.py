@@ -20,9 +20,11 @@ Contract:
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -31,7 +33,7 @@ from stream_rl.config import RunConfig, TrainerConfig
 from stream_rl.contracts import TrainingSample
 from stream_rl.errors import ConfigError
 from stream_rl.rl.logprobs import token_entropy, token_logprobs
-from stream_rl.rl.losses import policy_loss
+from stream_rl.rl.losses import LossOutput, policy_loss
 from stream_rl.rl.schedule import make_lr_lambda
 from stream_rl.rl.stats import TokenStats
 from stream_rl.train.packing import PackedBatch, pack_samples
@@ -97,10 +99,98 @@ class StepOutcome:
     """Total gradient norm before clipping."""
     lr: float
     """Learning rate used by this step."""
+    loss_sum: float | None = None
+    """Backends that train at step time (DeepSpeed) report the step's summed loss here..."""
+    stats: TokenStats | None = None
+    """...and its token statistics (the torch backend reports them per micro-batch instead)."""
+
+
+class TrainerBackend(Protocol):
+    """What the stage and the replay need from a backend (`PolicyTrainer`, `DeepSpeedTrainer`)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def micro_batch(self, samples: list[TrainingSample]) -> MicroResult: ...
+
+    def optimizer_step(self, num_sequences: int) -> StepOutcome: ...
+
+    def full_weights(self) -> AbstractContextManager[list[tuple[str, torch.Tensor]]]: ...
+
+    def checksum(self) -> str: ...
+
+    def save_to(self, directory: Path) -> None: ...
+
+    def load_from(self, directory: Path) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def completion_logits(model: Any, packed: PackedBatch, device: torch.device) -> torch.Tensor:
+    """[N, V] logits predicting each completion token of `packed` (with gradient): the decoder on
+    the packed rows, the LM head on the predicting positions only."""
+    out = model.get_decoder()(
+        input_ids=packed.input_ids.to(device), position_ids=packed.position_ids.to(device), use_cache=False
+    )
+    hidden = out.last_hidden_state[packed.rows.to(device), packed.cols.to(device)]
+    logits: torch.Tensor = model.get_output_embeddings()(hidden)
+    return logits
+
+
+def micro_loss(
+    cfg: TrainerConfig,
+    temperature: float,
+    logits: torch.Tensor,
+    packed: PackedBatch,
+    ref_logits: torch.Tensor | None = None,
+) -> LossOutput:
+    """The summed policy loss (`num_sequences=1`) of one packed micro-batch and its statistics."""
+    dev = logits.device
+    labels = packed.labels.to(dev)
+    logp = token_logprobs(logits, labels, temperature)
+    if cfg.entropy_coef > 0:
+        entropy = token_entropy(logits, temperature)
+    else:
+        with torch.no_grad():
+            entropy = token_entropy(logits.detach(), temperature)
+    ref_logp = None
+    if ref_logits is not None:
+        ref_logp = token_logprobs(ref_logits, labels, temperature)
+    return policy_loss(
+        logp,
+        packed.behaviour_logprobs.to(dev),
+        packed.advantages.to(dev),
+        packed.loss_mask.to(dev),
+        num_sequences=1,
+        policy_loss=cfg.policy_loss,
+        eps_low=cfg.eps_low,
+        eps_high=cfg.eps_high,
+        ref_logp=ref_logp,
+        kl_coef=cfg.kl_coef,
+        entropy=entropy,
+        entropy_coef=cfg.entropy_coef,
+        truncated=packed.truncated.to(dev),
+        overlong_filtering=cfg.overlong_filtering,
+    )
+
+
+def check_training_setup(cfg: TrainerConfig, temperature: float, has_ref: bool) -> None:
+    if temperature <= 0:
+        raise ConfigError(
+            "actor.sampling.temperature must be > 0 for training (logprobs are recomputed at it)"
+        )
+    if cfg.kl_coef > 0 and not has_ref:
+        raise ConfigError("trainer.kl_coef > 0 needs a reference model")
 
 
 class PolicyTrainer:
-    """Model, optimizer and schedule of one trainer process (plain torch backend)."""
+    """Model, optimizer and schedule of one trainer process (plain torch backend).
+
+    The interface the stage and the replay use (the DeepSpeed backend has the same):
+    `micro_batch`, `optimizer_step`, `full_weights` (a context yielding the named tensors to
+    checksum and broadcast), `checksum`, `vocab_size`, `save_to`/`load_from` (checkpoint files)
+    and `close`.
+    """
 
     def __init__(
         self,
@@ -111,12 +201,7 @@ class PolicyTrainer:
         device: str = "cpu",
         ref_model: nn.Module | None = None,
     ) -> None:
-        if temperature <= 0:
-            raise ConfigError(
-                "actor.sampling.temperature must be > 0 for training (logprobs are recomputed at it)"
-            )
-        if cfg.kl_coef > 0 and ref_model is None:
-            raise ConfigError("trainer.kl_coef > 0 needs a reference model")
+        check_training_setup(cfg, temperature, ref_model is not None)
         self.model: Any = model  # a transformers causal LM (typed loosely: nn.Module hides its API)
         self.cfg = cfg
         self.temperature = temperature
@@ -133,68 +218,22 @@ class PolicyTrainer:
             ),
         )
 
-    # -- forward -----------------------------------------------------------------------------
-
-    def _hidden(self, model: Any, packed: PackedBatch) -> torch.Tensor:
-        out = model.get_decoder()(
-            input_ids=packed.input_ids.to(self.device),
-            position_ids=packed.position_ids.to(self.device),
-            use_cache=False,
-        )
-        hidden: torch.Tensor = out.last_hidden_state
-        return hidden[packed.rows.to(self.device), packed.cols.to(self.device)]
-
-    def completion_logits(self, packed: PackedBatch, model: nn.Module | None = None) -> torch.Tensor:
-        """[N, V] logits predicting each completion token (with gradient)."""
-        m: Any = model if model is not None else self.model
-        head = m.get_output_embeddings()
-        logits: torch.Tensor = head(self._hidden(m, packed))
-        return logits
-
     def logprobs(self, samples: list[TrainingSample]) -> torch.Tensor:
         """Flat [N] logprobs of the samples' completion tokens at the sampling temperature (no grad)."""
         packed = pack_samples(samples, self.cfg.pack_row_tokens)
         with torch.no_grad():
-            return token_logprobs(
-                self.completion_logits(packed), packed.labels.to(self.device), self.temperature
-            ).float()
-
-    # -- one micro-batch ---------------------------------------------------------------------
+            logits = completion_logits(self.model, packed, self.device)
+            return token_logprobs(logits, packed.labels.to(self.device), self.temperature).float()
 
     def micro_batch(self, samples: list[TrainingSample]) -> MicroResult:
         """Forward and backward one micro-batch; gradients accumulate until `optimizer_step`."""
-        cfg = self.cfg
-        packed = pack_samples(samples, cfg.pack_row_tokens)
-        dev = self.device
-        labels = packed.labels.to(dev)
-        logits = self.completion_logits(packed)
-        logp = token_logprobs(logits, labels, self.temperature)
-        if cfg.entropy_coef > 0:
-            entropy = token_entropy(logits, self.temperature)
-        else:
-            with torch.no_grad():
-                entropy = token_entropy(logits.detach(), self.temperature)
-        ref_logp = None
+        packed = pack_samples(samples, self.cfg.pack_row_tokens)
+        logits = completion_logits(self.model, packed, self.device)
+        ref_logits = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref_logits = self.completion_logits(packed, self.ref_model)
-                ref_logp = token_logprobs(ref_logits, labels, self.temperature)
-        out = policy_loss(
-            logp,
-            packed.behaviour_logprobs.to(dev),
-            packed.advantages.to(dev),
-            packed.loss_mask.to(dev),
-            num_sequences=1,
-            policy_loss=cfg.policy_loss,
-            eps_low=cfg.eps_low,
-            eps_high=cfg.eps_high,
-            ref_logp=ref_logp,
-            kl_coef=cfg.kl_coef,
-            entropy=entropy,
-            entropy_coef=cfg.entropy_coef,
-            truncated=packed.truncated.to(dev),
-            overlong_filtering=cfg.overlong_filtering,
-        )
+                ref_logits = completion_logits(self.ref_model, packed, self.device)
+        out = micro_loss(self.cfg, self.temperature, logits, packed, ref_logits)
         out.loss.backward()
         return MicroResult(
             loss=float(out.loss.detach().item()),
@@ -202,8 +241,6 @@ class PolicyTrainer:
             real_tokens=packed.real_tokens,
             padded_tokens=packed.padded_tokens,
         )
-
-    # -- one optimizer step ------------------------------------------------------------------
 
     def optimizer_step(self, num_sequences: int) -> StepOutcome:
         """Average the accumulated gradients over `num_sequences`, clip, step AdamW and the schedule."""
@@ -225,29 +262,41 @@ class PolicyTrainer:
     def vocab_size(self) -> int:
         return int(self.model.get_input_embeddings().num_embeddings)
 
-    # -- weights -----------------------------------------------------------------------------
-
-    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+    @contextmanager
+    def full_weights(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The parameters to broadcast and checksum, in `named_parameters()` order (tied once)."""
-        return [(name, p.detach()) for name, p in self.model.named_parameters()]
+        yield [(name, p.detach()) for name, p in self.model.named_parameters()]
 
     def checksum(self) -> str:
         from stream_rl.weights.checksum import weights_checksum
 
-        return weights_checksum(self.named_weights())
+        with self.full_weights() as named:
+            return weights_checksum(named)
 
-    def state_dicts(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+    def save_to(self, directory: Path) -> None:
+        """Write the checkpoint's model (HF safetensors) and optimizer/scheduler files."""
+        self.model.save_pretrained(str(directory / "model"))
+        torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+        torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
 
-    def load_state_dicts(self, optimizer: dict[str, Any], scheduler: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(optimizer)
-        self.scheduler.load_state_dict(scheduler)
+    def load_from(self, directory: Path) -> None:
+        """Restore optimizer and scheduler state (the weights were loaded from `directory/model`)."""
+        self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
+        self.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=True))
+
+    def close(self) -> None:
+        return None
 
 
-def build_trainer(config: RunConfig, weights: str | Path | None = None) -> PolicyTrainer:
+def build_trainer(config: RunConfig, weights: str | Path | None = None) -> TrainerBackend:
     """Determinism settings, then the model (`weights`, default `model.path`), the reference
-    model when `kl_coef > 0` (always `model.path`: the initial policy), optimizer and schedule."""
+    model when `kl_coef > 0` (always `model.path`: the initial policy), optimizer and schedule.
+    With `trainer.backend: deepspeed` the result is a `DeepSpeedTrainer` (same interface)."""
     tcfg = config.trainer
+    if tcfg.backend == "deepspeed":
+        from stream_rl.train.deepspeed_backend import build_deepspeed_trainer
+
+        return build_deepspeed_trainer(config, weights)
     configure_determinism(tcfg.deterministic, tcfg.seed, tcfg.torch_threads)
     model = load_model(weights if weights is not None else config.model.path, config.model.dtype, tcfg.device)
     ref = None

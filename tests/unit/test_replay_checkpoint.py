@@ -15,8 +15,8 @@ from stream_rl.train.checkpoint import (
     CheckpointError,
     TrainerState,
     latest_checkpoint,
-    load_training_state,
     read_state,
+    restore_rng,
     save_checkpoint,
 )
 from stream_rl.train.replay import replay_trainer
@@ -70,9 +70,8 @@ def test_checkpoint_round_trip_and_pruning(tmp_path: Path, model_dir: Path) -> N
     for step in (1, 2, 3):
         state = TrainerState(version=step, step=step, samples_trained=3 * step, offsets={("t", 0): 7 * step})
         state.checksum = trainer.checksum()
-        opt = trainer.state_dicts()
         torch.manual_seed(100 + step)
-        save_checkpoint(root, trainer.model, opt["optimizer"], opt["scheduler"], state, keep=2)
+        save_checkpoint(root, trainer.save_to, state, keep=2)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000002", "step-000003"]
     latest = latest_checkpoint(root)
     assert latest is not None and latest.name == "step-000003"
@@ -83,7 +82,8 @@ def test_checkpoint_round_trip_and_pruning(tmp_path: Path, model_dir: Path) -> N
     expected = torch.rand(3)  # the RNG right after the save
     restored = build_trainer(cfg, latest / "model")
     random.seed(0)
-    restored.load_state_dicts(*load_training_state(latest))
+    restored.load_from(latest)
+    restore_rng(latest)
     assert torch.equal(torch.rand(3), expected)
     assert restored.checksum() == state.checksum
     assert restored.scheduler.last_epoch == 1
