@@ -210,9 +210,10 @@ class TrainerConfig(Model):
     """Address the inference servers use to reach the trainer's weight-sync store."""
     connect_timeout_s: float = Field(120.0, gt=0)
     """At start, keep asking the inference servers to join for this long (they may still be loading)."""
-    pack_row_tokens: int = Field(4096, ge=16)
-    """Tokens per packed row of a micro-batch (a longer sample gets a row of its own); rows are
-    padded to the longest row, so one row per micro-batch wastes nothing."""
+    pack_row_tokens: int = Field(512, ge=16)
+    """Target row length when packing a micro-batch (rows are balanced and padded to the longest;
+    a longer sample sets the length). Attention cost is quadratic in the row length, padding
+    shrinks as rows grow: `bench/trainer.py` measures both."""
     keep_checkpoints: int = Field(2, ge=1)
     """Checkpoints kept on disk (the oldest are deleted after a new one is durable)."""
     metrics_port: int | None = Field(None, ge=0, le=65535)

@@ -1,9 +1,10 @@
 """Pack a micro-batch's samples into rows for one forward pass (pure torch, CPU tensors).
 
 Layout:
-- Samples are placed into rows of at most `row_tokens` tokens by first-fit decreasing (longest
-  first, ties by sample order: deterministic); a sample longer than `row_tokens` gets a row of
-  its own. Rows are right-padded to the longest row with token 0.
+- Samples are spread over `ceil(tokens / max(row_tokens, longest sample))` rows, balanced
+  (`assign_rows`), and rows are right-padded to the longest with token 0. Shorter rows cost less attention (each row's
+  attention is quadratic in its length, across the samples it holds: the mask hides other
+  samples but sdpa on CPU still computes them), longer rows pad less: `bench/trainer.py`.
 - `position_ids` restart at 0 for every sample, and the padding of a row is one more segment
   with its own positions 0, 1, ... . Given `position_ids` and no attention mask, transformers'
   causal-LM masking (`find_packed_sequence_indices`, sdpa and eager alike) builds the
@@ -69,23 +70,23 @@ class PackedBatch:
 
 
 def assign_rows(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
-    """First-fit decreasing: sample indices per row, each row's total within `row_tokens` (a longer
-    sample alone in its row). Within a row, samples keep their original order."""
+    """Sample indices per row: `ceil(total / width)` rows, `width = max(row_tokens, longest
+    sample)`, balanced by longest-first greedy assignment to the least-filled row (ties by row
+    index: deterministic). Rows come out about `width` long (one may exceed it by less than a
+    sample); since rows are padded to the longest, balancing them is what keeps padding low.
+    Within a row, samples keep their order."""
     if row_tokens < 1:
         raise ValueError(f"row_tokens must be >= 1, got {row_tokens}")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    rows: list[list[int]] = []
-    used: list[int] = []
-    for i in order:
-        for r, total in enumerate(used):
-            if total + lengths[i] <= row_tokens:
-                rows[r].append(i)
-                used[r] += lengths[i]
-                break
-        else:
-            rows.append([i])
-            used.append(lengths[i])
-    return [sorted(r) for r in rows]
+    # A sample longer than row_tokens sets the row length: every row is padded to it anyway.
+    width = max(row_tokens, max(lengths, default=0))
+    n_rows = max(1, -(-sum(lengths) // width))
+    rows: list[list[int]] = [[] for _ in range(n_rows)]
+    loads = [0] * n_rows
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(n_rows), key=lambda r: (loads[r], r))
+        rows[r].append(i)
+        loads[r] += lengths[i]
+    return [sorted(r) for r in rows if r]
 
 
 def pack_samples(samples: Sequence[TrainingSample], row_tokens: int) -> PackedBatch:

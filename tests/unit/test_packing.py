@@ -14,22 +14,23 @@ from stream_rl.train.testing import make_sample, make_tiny_model
 pytestmark = pytest.mark.unit
 
 
-def test_assign_rows_first_fit_decreasing() -> None:
-    lengths = [5, 9, 3, 7, 2, 12, 4]
-    rows = assign_rows(lengths, 12)
+def test_assign_rows_balances_rows() -> None:
+    rng = random.Random(0)
+    lengths = [rng.randint(12, 80) for _ in range(60)]
+    rows = assign_rows(lengths, 512)
     assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
-    for row in rows:
-        assert sum(lengths[i] for i in row) <= 12
-        assert row == sorted(row)
-    assert rows == assign_rows(lengths, 12)  # deterministic
-    # 42 tokens in rows of 12: first-fit decreasing needs 4 rows here, the minimum.
-    assert len(rows) == 4
+    assert all(row == sorted(row) for row in rows)
+    assert rows == assign_rows(lengths, 512)  # deterministic
+    loads = [sum(lengths[i] for i in row) for row in rows]
+    assert len(rows) == -(-sum(lengths) // 512)
+    assert max(loads) - min(loads) <= max(lengths)
+    assert sum(loads) / (len(rows) * max(loads)) > 0.95  # little padding
 
 
-def test_long_sample_gets_its_own_row() -> None:
-    rows = assign_rows([30, 4, 4], 10)
-    assert [0] in rows
-    assert sum(len(r) for r in rows) == 3
+def test_one_row_when_everything_fits_and_long_samples_alone() -> None:
+    assert assign_rows([5, 9, 3], 100) == [[0, 1, 2]]
+    # The longest sample sets the row length: 38 tokens in rows of 30 -> 2 rows.
+    assert assign_rows([30, 4, 4], 10) == [[0], [1, 2]]
 
 
 def test_pack_layout_positions_and_labels() -> None:
