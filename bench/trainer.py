@@ -10,7 +10,8 @@ Same model, same micro-batches (synthetic rollouts: prompts of 8-16 tokens, comp
 - both again with one row per micro-batch (attention is quadratic in the row length);
 - `hf padded`: the usual padded batch, `model(input_ids, attention_mask, labels)`: what
   packing saves.
-tokens/s counts real (non-padding) tokens. Also reports the fraction of non-padding tokens of
+Throughput is real (non-padding) tokens per CPU-second of this process, medians of interleaved
+repeats (wall times are printed too; on a shared machine they swing with other load). Also reports the fraction of non-padding tokens of
 the packing at several row lengths (goal >= 95%).
 
     python bench/trainer.py [--hidden 128 --layers 2] [--steps 4] [--threads 2]
@@ -61,11 +62,12 @@ def micro_batches(n: int, budget: int, vocab: int, seed: int) -> list[list[Train
 
 
 def hf_step(
-    model: Any, opt: torch.optim.Optimizer, batches: list[list[TrainingSample]], packed: bool
+    model: Any, opt: torch.optim.Optimizer, batches: list[list[TrainingSample]], row_tokens: int | None
 ) -> None:
+    """HF's causal-LM loss: on packed rows of `row_tokens` (as stream-rl packs), or padded (None)."""
     for samples in batches:
-        if packed:
-            p = pack_samples(samples, row_tokens=10**9)
+        if row_tokens is not None:
+            p = pack_samples(samples, row_tokens)
             labels = torch.full_like(p.input_ids, -100)
             labels[p.rows, p.cols + 1] = p.labels
             out = model(input_ids=p.input_ids, position_ids=p.position_ids, labels=labels, use_cache=False)
@@ -86,13 +88,12 @@ def hf_step(
     opt.zero_grad(set_to_none=True)
 
 
-def timed(fn: Callable[[], None], repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
+def timed(fn: Callable[[], None]) -> tuple[float, float]:
+    """(wall s, process CPU s) of one call. CPU time is what the comparison uses: on a shared
+    machine other processes inflate wall time unevenly, not the CPU time this process spends."""
+    w, c = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - w, time.process_time() - c
 
 
 def main() -> None:
@@ -100,10 +101,10 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=64)
-    ap.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step")
-    ap.add_argument("--budget", type=int, default=1024, help="tokens per micro-batch")
-    ap.add_argument("--steps", type=int, default=4, help="timed steps per variant (after one warm-up)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step")
+    ap.add_argument("--budget", type=int, default=4096, help="tokens per micro-batch (preprocessor default)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per variant (after one warm-up)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (trainer.torch_threads)")
     ap.add_argument("--row-tokens", type=int, default=512, help="packed row length (trainer.pack_row_tokens)")
     args = ap.parse_args()
 
@@ -121,7 +122,7 @@ def main() -> None:
     batches = micro_batches(args.micro_batches, args.budget, args.vocab, seed=1)
     real = sum(len(s.input_ids) for b in batches for s in b)
     hf_model = load_model(path, "float32", "cpu")
-    hf_opt = torch.optim.AdamW(hf_model.parameters(), lr=1e-4)
+    hf_opt = torch.optim.AdamW(hf_model.parameters(), lr=1e-4)  # the same as stream-rl's
 
     def ours(row_tokens: int) -> Callable[[], None]:
         cfg = TrainerConfig.model_validate({"lr": 1e-4, "pack_row_tokens": row_tokens})
@@ -142,13 +143,17 @@ def main() -> None:
         "hf packed 1 row": lambda: hf_step(hf_model, hf_opt, batches, args.budget),
         "hf padded": lambda: hf_step(hf_model, hf_opt, batches, None),
     }
-    times: dict[str, list[float]] = {k: [] for k in variants}
+    wall: dict[str, list[float]] = {k: [] for k in variants}
+    cpu: dict[str, list[float]] = {k: [] for k in variants}
     for fn in variants.values():
         fn()  # warm-up
     for _ in range(args.steps):  # interleaved, so load changes hit every variant alike
         for name, fn in variants.items():
-            times[name].extend(timed(fn, 1))
-    rate = {k: real / statistics.median(v) for k, v in times.items()}
+            w, c = timed(fn)
+            wall[name].append(w)
+            cpu[name].append(c)
+    # tokens per CPU-second of this process (= per wall second on an idle machine with 1 thread)
+    rate = {k: real / statistics.median(v) for k, v in cpu.items()}
 
     padded_fill = real / sum(len(b) * max(len(s.input_ids) for s in b) for b in batches)
     fill = {}
@@ -163,8 +168,9 @@ def main() -> None:
         "tokens_per_step": real,
         "samples_per_step": sum(len(b) for b in batches),
         "threads": args.threads,
-        "step_s_median": {k: statistics.median(v) for k, v in times.items()},
-        "tokens_per_s": rate,
+        "step_wall_s_median": {k: statistics.median(v) for k, v in wall.items()},
+        "step_cpu_s_median": {k: statistics.median(v) for k, v in cpu.items()},
+        "tokens_per_cpu_s": rate,
         "row_tokens": rows,
         "ratio_vs_hf_packed": rate["stream-rl"] / rate["hf packed"],
         "ratio_vs_hf_padded": rate["stream-rl"] / rate["hf padded"],
@@ -174,10 +180,10 @@ def main() -> None:
     print(f"\nTrainer step, {result['model']['params'] / 1e6:.2f}M params, {real} tokens "
           f"({result['samples_per_step']} samples) per step in {args.micro_batches} micro-batches, "
           f"{args.threads} threads, median of {args.steps}\n")  # fmt: skip
-    print(f"  {'variant':<20}  {'step s':>7}  {'tokens/s':>9}  {'vs stream-rl':>12}")
+    print(f"  {'variant':<16}  {'wall s':>7}  {'cpu s':>7}  {'tokens/cpu-s':>12}  {'vs stream-rl':>12}")
     for k in variants:
-        step_s, ratio = result["step_s_median"][k], rate[k] / rate["stream-rl"]
-        print(f"  {k:<20}  {step_s:>7.3f}  {rate[k]:>9.0f}  {ratio:>11.2f}x")
+        w, c = statistics.median(wall[k]), statistics.median(cpu[k])
+        print(f"  {k:<16}  {w:>7.3f}  {c:>7.3f}  {rate[k]:>12.0f}  {rate[k] / rate['stream-rl']:>11.2f}x")
     print("\n  non-padding fraction after packing (goal >= 0.95)")
     for row, f in fill.items():
         print(f"  rows of {row:>5} tokens: {f:.3f}")

@@ -27,8 +27,9 @@ again after a restart; training them as a short step would cut steps differently
 uninterrupted run), the last completed step is checkpointed and its offsets committed.
 
 Run alone: `stream-rl trainer --config run.yaml [--max-steps N] [--idle-timeout S] [--metrics-port P]`.
-For `replay trainer` the run directory keeps `runs/<run>/trainer/config.yaml` (resolved config)
-and `init.json` (initial weights' checksum, model path, seed, library versions).
+For `replay trainer` the first start records `runs/<run>/trainer/record/config.yaml` (the resolved
+config) and `record/init.json` (initial weights' checksum, model path, seed, library versions);
+later starts leave them as they are (the launcher's `trainer/config.yaml` is rewritten per launch).
 """
 
 from __future__ import annotations
@@ -148,10 +149,11 @@ class TrainerStage:
         import torch
         import transformers
 
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if not (self.run_dir / "config.yaml").exists():
-            (self.run_dir / "config.yaml").write_text(dump_config(self.config))
-        if not (self.run_dir / "init.json").exists():
+        record_dir = self.run_dir / "record"
+        record_dir.mkdir(parents=True, exist_ok=True)
+        if not (record_dir / "config.yaml").exists():
+            (record_dir / "config.yaml").write_text(dump_config(self.config))
+        if not (record_dir / "init.json").exists():
             record = {
                 "run": self.config.run,
                 "model_path": str(Path(self.config.model.path).resolve()),
@@ -163,7 +165,7 @@ class TrainerStage:
                 "transformers": transformers.__version__,
                 "code_revision": code_revision(),
             }
-            (self.run_dir / "init.json").write_text(json.dumps(record, indent=1) + "\n")
+            (record_dir / "init.json").write_text(json.dumps(record, indent=1) + "\n")
 
     # -- weights out -------------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """`stream-rl replay trainer --run R`: re-train a finished (or running) run and compare checksums.
 
 Inputs:
-- the run's resolved config, `runs/<run>/trainer/config.yaml` as the trainer recorded it
-  (or `--config`);
+- the run's resolved config, `runs/<run>/trainer/record/config.yaml` as the trainer recorded it
+  on its first start (or `--config`);
 - its `weight-versions` log: the checksum of every version, and each version's
   `consumed_offsets`, which cut the steps exactly where the run cut them;
 - its `training-batches`, read from offset 0 with an explicit assignment (no consumer group,
@@ -170,7 +170,7 @@ def main(args: argparse.Namespace) -> int:
     from stream_rl.kafka.broker import resolve_bootstrap
     from stream_rl.kafka.client import KafkaTransport
 
-    recorded = Path(args.runs_dir) / args.run / "trainer" / "config.yaml"
+    recorded = Path(args.runs_dir) / args.run / "trainer" / "record" / "config.yaml"
     if args.config is None and not recorded.is_file():
         raise ConfigError(f"{recorded} not found: pass --config (the run's config) or --runs-dir")
     config = load_config(args.config or recorded, args.overrides)

@@ -4,7 +4,8 @@ backend, and the same weights up to rounding (ZeRO reduces in another order: not
 
 Needs `deepspeed` (the `gpu` extra, which CI does not install): skipped without it. DeepSpeed
 0.19.8 runs on CPU with its CPU accelerator and gloo; its first use JIT-compiles a small shared
-memory op (ninja and a C++ compiler needed, cached in ~/.cache/torch_extensions)."""
+memory op (ninja and a C++ compiler needed, cached in ~/.cache/torch_extensions). The `gpu`
+variant runs the same on CUDA with NCCL (never run here: no GPU)."""
 
 from __future__ import annotations
 
@@ -31,12 +32,18 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
+@pytest.mark.parametrize(
+    ("zero_stage", "device"),
+    [(2, "cpu"), (3, "cpu"), pytest.param(3, "cuda", marks=pytest.mark.gpu, id="3-cuda-nccl")],
+)
 def test_two_ranks_match_the_torch_backend(  # type: ignore[no-untyped-def]
-    kafka, kafka_bootstrap: str, run_names: TopicNames, tmp_path: Path, zero_stage: int
+    kafka, kafka_bootstrap: str, run_names: TopicNames, tmp_path: Path, zero_stage: int, device: str
 ) -> None:
+    ranks = 2 if device == "cpu" else min(2, torch.cuda.device_count())
+    if ranks < 1:
+        pytest.skip("no CUDA device")
     model = make_tiny_model(tmp_path / "model")
-    # 3 micro-batches per step: rank 0 trains two, rank 1 one and a zero-weight pass.
+    # 3 micro-batches per step: with two ranks, rank 0 trains two, rank 1 one and a zero-weight pass.
     batches = make_batches(9, 2, seed=31, filtered_every=4)
     ref_names = TopicNames(run=run_names.run + "ref")
     apply_topics(kafka, ref_names)
@@ -58,7 +65,7 @@ def test_two_ranks_match_the_torch_backend(  # type: ignore[no-untyped-def]
     # Two lives: stop after version 2 (checkpoint), then resume from the DeepSpeed checkpoint.
     for bound in (["--max-steps", "2"], ["--idle-timeout", "3"]):
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
             str(free_port()), "-m", "stream_rl.cli", "trainer", "--config", str(config_path), *bound,
         ]  # fmt: skip
         res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=500)

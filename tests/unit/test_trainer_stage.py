@@ -67,8 +67,8 @@ def test_steps_versions_pushes_and_records(tmp_path: Path, model_dir: Path) -> N
     assert wvs[1].metrics["version_lag_max"] == 0.0 and wvs[3].metrics["version_lag_max"] == 2.0
     # Records for replay, a final checkpoint, offsets committed after it.
     run_dir = tmp_path / "runs" / "r1" / "trainer"
-    assert json.loads((run_dir / "init.json").read_text())["checksum"] == wvs[0].checksum
-    assert (run_dir / "config.yaml").is_file()
+    assert json.loads((run_dir / "record" / "init.json").read_text())["checksum"] == wvs[0].checksum
+    assert (run_dir / "record" / "config.yaml").is_file()
     ckpt = latest_checkpoint(run_dir / "checkpoints")
     assert ckpt is not None and read_state(ckpt).checksum == wvs[3].checksum
     assert wvs[3].checkpoint_uri == ckpt.resolve().as_uri()
@@ -156,3 +156,43 @@ def test_stop_flag_stops_between_micro_batches(tmp_path: Path, model_dir: Path) 
     stats = trainer_stage.run(make_config(tmp_path, model_dir), transport, stop=stop)
     assert stats.stopped_by == "received SIGTERM" and stats.version == 0
     assert [w.version for w in versions(transport, names)] == [0]  # version 0 still published
+
+
+def test_sigterm_checkpoints_the_last_step_and_commits(tmp_path: Path, model_dir: Path) -> None:
+    """A real SIGTERM to this process while the trainer waits for input mid-step."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from prometheus_client import generate_latest
+
+    transport = MemoryTransport()
+    names = setup_topics(transport, "r1", make_batches(5, 2, seed=8))  # 2 steps and half a third
+    stop = StopFlag()
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    stop.install_signal_handlers()
+
+    def kill_after_version_2() -> None:
+        deadline = time.monotonic() + 60
+        while len(versions(transport, names)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    killer = threading.Thread(target=kill_after_version_2, daemon=True)
+    killer.start()
+    try:
+        stats = trainer_stage.run(make_config(tmp_path, model_dir), transport, stop=stop)  # no bound
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    killer.join()
+    assert stats.stopped_by == "received SIGTERM" and stats.version == 2
+    ckpt = latest_checkpoint(tmp_path / "runs" / "r1" / "trainer" / "checkpoints")
+    assert ckpt is not None and ckpt.name == "step-000002"
+    assert transport.group_offsets(names.group("trainer"), names.topic(TRAINING_BATCHES)) == {0: 4}
+    # The step's numbers are on /metrics too.
+    text = generate_latest().decode()
+    assert "stream_rl_trainer_version 2.0" in text
+    assert 'stream_rl_trainer_step{metric="grad_norm"}' in text
+    assert "stream_rl_trainer_version_lag_bucket" in text
