@@ -5,7 +5,7 @@ CACHE ?= $(HOME)/.cache/stream-rl
 VENV := .venv
 PY := $(VENV)/bin/python
 UV := $(shell command -v uv 2>/dev/null || echo $(CACHE)/tools/bin/uv)
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 
 .PHONY: setup test lint typecheck pytest demo model clean-venv
 
@@ -16,7 +16,7 @@ $(UV):
 	@echo "uv not found: installing it into $(CACHE)/tools (once)"
 	@$(PYTHON) -m venv $(CACHE)/tools && $(CACHE)/tools/bin/pip install -q uv==0.13.9
 
-$(STAMP): pyproject.toml | $(UV)
+$(STAMP): pyproject.toml Makefile | $(UV)
 	@test -x $(PY) || $(UV) venv -q --python $(PYTHON) $(VENV)
 	@$(UV) pip install -q --python $(PY) -e '.[dev]'
 	@rm -f $(VENV)/.installed-* && touch $@

@@ -111,6 +111,10 @@ class InferenceConfig(Model):
     written into run directories: the launcher passes it to its children in the environment."""
     torch_threads: int = Field(1, ge=1)
     """torch intra-op threads per server process."""
+    weights_timeout_s: float = Field(60.0, gt=0)
+    """Timeout of the weight-sync group's collectives on the server side (join, each update)."""
+    seed: int | None = None
+    """Seed of the sampling of requests that carry no seed (None: fresh entropy per server start)."""
 
 
 class ActorConfig(Model):
@@ -124,7 +128,21 @@ class ActorConfig(Model):
     request_timeout_s: float = Field(120.0, gt=0)
     """Timeout of one HTTP call to a server."""
     max_retries: int = Field(5, ge=0)
-    """Retries (with exponential backoff) of a failed call before the server is marked dead."""
+    """Consecutive failed calls after which a server is marked dead (taken out of routing and probed
+    with `/health` later); also the retries of a request that fails while other requests succeed
+    (a request the servers reject), after which its problem goes to the DLQ."""
+    backoff_s: float = Field(0.2, gt=0)
+    """Delay before the first retry of a failed call; doubles per retry up to `backoff_max_s`."""
+    backoff_max_s: float = Field(10.0, gt=0)
+    """Longest delay between retries (also while every server is dead)."""
+    dead_cooldown_s: float = Field(2.0, gt=0)
+    """A dead server is probed with `/health` after this; doubles while it stays down (up to 60 s)."""
+    seeded_sampling: bool = True
+    """Seed each request from the run seed and the rollout id, so a re-generated rollout (after a
+    crash) samples the same tokens when the weights are the same."""
+    refresh_s: float = Field(2.0, gt=0)
+    """Admission: how often the actor group's committed offsets, DLQ count and live members are
+    re-read (the other actors' progress; one actor needs none of it after start)."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Sampling parameters of training rollouts."""
 
@@ -150,7 +168,14 @@ class PreprocessorConfig(Model):
     group_timeout_s: float = Field(600.0, gt=0)
     """A group still incomplete after this long is written to the DLQ (counted), not waited on forever."""
     max_untrained_batches: int = Field(64, ge=1)
-    """Backpressure: hold while batches written but not yet trained exceed this."""
+    """Backpressure: hold while batches written but not yet trained exceed this (counted in offsets
+    of training-batches, which include one transaction marker per transaction: conservative)."""
+    batch_size: int = Field(64, ge=1)
+    """Scored records per poll; each poll is one Kafka transaction."""
+    dedupe_window: int = Field(10000, ge=1)
+    """Closed groups remembered per partition (in the state topic) to drop late duplicates."""
+    max_batch_bytes: int = Field(1_000_000, ge=4096)
+    """Encoded size limit of one TrainingBatch record; a larger pack is split."""
 
 
 class TrainerConfig(Model):
@@ -233,6 +258,9 @@ class LauncherConfig(Model):
     """Preprocessor processes."""
     max_wall_s: float | None = Field(None, gt=0)
     """Stop the run after this many seconds."""
+    keep_broker: bool = False
+    """Leave the local broker the launcher started running after the run (its data stays on disk
+    either way; `stream-rl kafka up` brings it back for replay)."""
 
 
 class RunConfig(Model):

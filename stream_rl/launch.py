@@ -82,8 +82,12 @@ class Launcher:
         cfg = self.config.kafka
         if cfg.bootstrap or os.environ.get("STREAM_RL_KAFKA_BOOTSTRAP"):
             return resolve_bootstrap(None, cfg.bootstrap)
-        self.broker = LocalBroker(cfg.data_dir, port=cfg.port)
-        return self.broker.up(quiet=False).bootstrap
+        broker = LocalBroker(cfg.data_dir, port=cfg.port)
+        already_running = broker.running() is not None
+        bootstrap = broker.up(quiet=False).bootstrap
+        if not already_running:
+            self.broker = broker  # ours to stop at the end
+        return bootstrap
 
     def apply_topics(self) -> None:
         from stream_rl.kafka.client import KafkaTransport
@@ -158,20 +162,33 @@ class Launcher:
         (child_dir / "cmd.txt").write_text(" ".join(cmd) + "\n")
         self.children.append(Child(name, role, cmd, child_dir, port, restartable))
 
-    def write_ports(self) -> None:
+    def write_ports(self, launcher_port: int) -> None:
+        """processes.json (for `stream-rl status`) and prometheus-targets.json (file_sd for
+        deploy/prometheus.yml)."""
         ports = {c.name: c.metrics_port for c in self.children if c.metrics_port}
         servers = self.server_urls()
+        pids = {c.name: c.proc.pid for c in self.children if c.proc}
         (self.run_dir / "processes.json").write_text(
             json.dumps(
                 {
                     "bootstrap": self.bootstrap,
                     "metrics_ports": ports,
                     "servers": servers,
-                    "pids": {c.name: c.proc.pid for c in self.children if c.proc},
+                    "launcher_port": launcher_port,
+                    "pids": pids,
                 },
                 indent=2,
             )
         )
+        run = self.config.run
+
+        def target(address: str, process: str, role: str) -> dict[str, Any]:
+            return {"targets": [address], "labels": {"run": run, "process": process, "role": role}}
+
+        targets = [target(f"127.0.0.1:{port}", name, name.rsplit("-", 1)[0]) for name, port in ports.items()]
+        targets += [target(url.split("://", 1)[-1], f"server-{i}", "server") for i, url in enumerate(servers)]
+        targets.append(target(f"127.0.0.1:{launcher_port}", "launcher", "launcher"))
+        (self.run_dir / "prometheus-targets.json").write_text(json.dumps(targets, indent=2))
 
     def server_urls(self) -> list[str]:
         inf = self.config.inference
@@ -253,24 +270,27 @@ class Launcher:
         return True
 
     def stop_all(self) -> None:
-        live = [c for c in self.children if c.proc and c.proc.poll() is None]
-        # Stop producers first so downstream stages can drain, the servers last.
-        order = {"loader": 0, "actor": 1, "verifier": 2, "preprocessor": 3, "trainer": 4, "server": 5}
-        for child in sorted(live, key=lambda c: order.get(c.role, 9)):
-            assert child.proc is not None
-            child.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for child in live:
-            assert child.proc is not None
-            try:
-                child.proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                print(
-                    f"{child.name} did not stop within {STOP_GRACE_S:.0f}s of SIGTERM: killing it",
-                    file=sys.stderr,
-                )
-                child.proc.kill()
-                child.proc.wait()
+        """SIGTERM in waves, each drained before the next: producers first (so downstream
+        stages see their last records), the trainer after the stages, the servers last (an
+        actor finishing its in-flight requests still needs them)."""
+        waves = [("loader", "actor"), ("verifier", "preprocessor"), ("trainer",), ("server",)]
+        for roles in waves:
+            live = [c for c in self.children if c.role in roles and c.proc and c.proc.poll() is None]
+            for child in live:
+                assert child.proc is not None
+                child.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            for child in live:
+                assert child.proc is not None
+                try:
+                    child.proc.wait(max(deadline - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    print(
+                        f"{child.name} did not stop within {STOP_GRACE_S:.0f}s of SIGTERM: killing it",
+                        file=sys.stderr,
+                    )
+                    child.proc.kill()
+                    child.proc.wait()
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -289,7 +309,9 @@ class Launcher:
             for child in self.children:
                 if child.role != "server":
                     self.spawn(child)
-            self.write_ports()
+            from stream_rl.metrics import serve_metrics
+
+            self.write_ports(serve_metrics(0))
             monitor.start()
             max_wall = self.config.launcher.max_wall_s
             while not self.stop:
@@ -309,6 +331,14 @@ class Launcher:
         finally:
             self.stop_all()
             monitor.close()
+            if self.broker is not None and not self.config.launcher.keep_broker:
+                self.broker.down(quiet=True)
+                print(
+                    f"stopped the local Kafka broker; its data stays in {self.broker.data_dir} "
+                    f"(`stream-rl kafka up --data-dir {self.config.kafka.data_dir} --port {self.config.kafka.port}` "
+                    f"brings it back, e.g. to replay)",
+                    file=sys.stderr,
+                )
             summary = monitor.finish(
                 wall_s=time.monotonic() - started,
                 exit_reason=self.exit_reason,

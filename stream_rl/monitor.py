@@ -16,7 +16,7 @@ from stream_rl.contracts import WeightVersion
 from stream_rl.errors import KafkaError
 from stream_rl.kafka.client import KafkaTransport
 from stream_rl.kafka.follower import VersionFollower
-from stream_rl.kafka.lag import run_lags
+from stream_rl.kafka.lag import LagExporter
 from stream_rl.kafka.topics import PROBLEMS, RAW_ROLLOUTS, SCORED, TRAINING_BATCHES, TopicNames
 
 SAMPLE_EVERY_S = 2.0
@@ -38,6 +38,7 @@ class RunMonitor:
         self._timeline_path = self.run_dir / "timeline.jsonl"
         self._timeline: IO[str] | None = None
         self._follower = VersionFollower(self.kafka, self.names, client_id="launcher", keep_history=True)
+        self._lag = LagExporter(self.kafka, self.names)  # also served on the launcher's /metrics
         self._seen = 0
         self._last_sample = 0.0
         self._bar: tqdm[Any] | None = None
@@ -103,7 +104,6 @@ class RunMonitor:
                 samples_s=f"{last.samples_trained / elapsed:.1f}",
                 refresh=False,
             )
-            self._bar.refresh()
 
     def _sample(self) -> None:
         try:
@@ -112,7 +112,7 @@ class RunMonitor:
                 marks = self.kafka.watermarks(self.names[topic])
                 offsets[stage] = sum(h for _, h in marks.values())
             lags: dict[str, int] = {}
-            for x in run_lags(self.kafka, self.names, with_age=False):
+            for x in self._lag.refresh(with_age=False):
                 role = x.group.rsplit(".", 1)[-1]
                 lags[role] = lags.get(role, 0) + x.lag
         except KafkaError:

@@ -152,10 +152,14 @@ def write_plots(timeline: list[dict[str, Any]], out_dir: Path) -> list[Path]:
             ax.plot([r["t"] for r in lag_records], [r["lag"].get(role, 0) for r in lag_records], label=role)
         if roles:
             ax.legend()
-        ax.set(title="broker lag per consumer group", xlabel="wall time (s)", ylabel="records")
+        # The actor's lag on `problems` is the loader's whole backlog (paced by admission), orders
+        # of magnitude above the others: a symmetric log scale keeps every group readable.
+        ax.set_yscale("symlog", linthresh=10)
+        ax.set(title="broker lag per consumer group", xlabel="wall time (s)", ylabel="records (symlog)")
 
     def throughput(ax: Any) -> None:
-        stages = sorted({k for r in offsets for k in r["offsets"]})
+        # The loader writes its whole backlog at once: its burst would flatten the other curves.
+        stages = sorted({k for r in offsets for k in r["offsets"]} - {"loader"})
         for stage in stages:
             ts, rates = [], []
             for a, b in zip(offsets, offsets[1:], strict=False):
@@ -164,6 +168,14 @@ def write_plots(timeline: list[dict[str, Any]], out_dir: Path) -> list[Path]:
                     ts.append(b["t"])
                     rates.append((b["offsets"].get(stage, 0) - a["offsets"].get(stage, 0)) / dt)
             ax.plot(ts, rates, label=f"{stage} out")
+        pts = [(v["t"], v["samples_trained"]) for v in updates]
+        if len(pts) >= 2:
+            ax.plot(
+                [b[0] for b in pts[1:]],
+                [(b[1] - a[1]) / max(b[0] - a[0], 1e-9) for a, b in zip(pts, pts[1:], strict=False)],
+                label="trainer samples",
+                alpha=0.6,
+            )
         if stages:
             ax.legend()
         ax.set(title="throughput per stage", xlabel="wall time (s)", ylabel="records/s")

@@ -7,7 +7,9 @@ import struct
 
 from stream_rl.contracts import (
     ChatMessage,
+    PartialGroup,
     PartitionOffset,
+    PendingSample,
     Problem,
     Rollout,
     ScoredRollout,
@@ -139,6 +141,25 @@ def make_weight_version(version: int = 1, run_id: str = "test") -> WeightVersion
     )
 
 
+def make_partial_group(i: int = 0, received: int = 2, group_size: int = 4) -> PartialGroup:
+    """An open group holding its first `received` samples (encoded as consumed)."""
+    from stream_rl.kafka.serde import default_serde
+
+    serde = default_serde()
+    samples = [
+        PendingSample(s.rollout.rollout_id, 100 + k, serde.encode(s))
+        for k, s in enumerate(make_scored(i, k, group_size) for k in range(received))
+    ]
+    return PartialGroup(
+        group_id=Rollout.make_group_id(make_problem(i)),
+        partition=1,
+        closed=False,
+        samples=samples,
+        first_seen_ms=1_700_000_000_400,
+        updated_ms=1_700_000_000_500,
+    )
+
+
 def examples() -> list[object]:
     """One of each contract."""
     return [
@@ -147,4 +168,5 @@ def examples() -> list[object]:
         make_scored(3, 1),
         make_batch(),
         make_weight_version(2),
+        make_partial_group(3),
     ]

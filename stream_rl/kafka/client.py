@@ -25,6 +25,15 @@ def _fail(what: str, exc: ck.KafkaException) -> KafkaError:
     return KafkaError(f"{what}: {exc.args[0] if exc.args else exc}")
 
 
+_LEADERSHIP = (
+    ck.KafkaError.NOT_LEADER_FOR_PARTITION,
+    ck.KafkaError.LEADER_NOT_AVAILABLE,
+    ck.KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    ck.KafkaError.COORDINATOR_NOT_AVAILABLE,
+    ck.KafkaError.NOT_COORDINATOR,
+)
+
+
 def _retry_transient(fn: Callable[[], T], what: str, timeout: float = 15.0) -> T:
     """Retry an admin call on retriable errors (e.g. leader elections right after a restart)."""
     deadline = time.monotonic() + timeout
@@ -33,7 +42,9 @@ def _retry_transient(fn: Callable[[], T], what: str, timeout: float = 15.0) -> T
             return fn()
         except ck.KafkaException as exc:
             err = exc.args[0] if exc.args else None
-            retriable = isinstance(err, ck.KafkaError) and err.retriable()
+            # Leadership and coordinator errors right after topic creation or a (re)start are not
+            # flagged retriable by every admin call, but they pass once the broker settles.
+            retriable = isinstance(err, ck.KafkaError) and (err.retriable() or err.code() in _LEADERSHIP)
             if not retriable or time.monotonic() > deadline:
                 raise _fail(what, exc) from exc
             time.sleep(0.2)
@@ -304,6 +315,13 @@ class KafkaTransport:
         return out
 
     def group_offsets(self, group_id: str, topic: str) -> dict[int, int]:
+        # list_consumer_group_offsets can crash the process (confluent-kafka 2.16.1, SIGSEGV) when
+        # it gets COORDINATOR_LOAD_IN_PROGRESS, as on a freshly started broker; describing the
+        # group first fails cleanly until the group's coordinator has loaded.
+        self.group_members(group_id)
+        return _retry_transient(lambda: self._group_offsets(group_id, topic), f"offsets of group {group_id}")
+
+    def _group_offsets(self, group_id: str, topic: str) -> dict[int, int]:
         from confluent_kafka import ConsumerGroupTopicPartitions
 
         parts = self.partitions(topic)
@@ -311,14 +329,18 @@ class KafkaTransport:
         futs = self.admin.list_consumer_group_offsets([req], request_timeout=15)
         out = {p: -1 for p in parts}
         for fut in futs.values():
-            try:
-                res = fut.result()
-            except ck.KafkaException as exc:
-                raise _fail(f"offsets of group {group_id}", exc) from exc
+            res = fut.result()
             for tp in res.topic_partitions:
                 if tp.error is None and tp.offset >= 0:
                     out[tp.partition] = tp.offset
         return out
+
+    def group_members(self, group_id: str) -> int:
+        return _retry_transient(lambda: self._group_members(group_id), f"describe group {group_id}")
+
+    def _group_members(self, group_id: str) -> int:
+        desc = self.admin.describe_consumer_groups([group_id], request_timeout=15)[group_id].result()
+        return len(desc.members or [])
 
     def create_topics(self, topics: list[tuple[str, int, dict[str, str]]]) -> list[str]:
         if not topics:

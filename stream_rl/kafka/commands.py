@@ -107,6 +107,14 @@ def add_lag_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", help="run name")
     p.add_argument("--prefix", default=None)
     p.add_argument("--no-age", action="store_true", help="skip reading the oldest record's timestamp")
+    p.add_argument(
+        "--serve-metrics",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="instead of printing once, export lag as Prometheus gauges on PORT until stopped",
+    )
+    p.add_argument("--every", type=float, default=5.0, help="refresh period with --serve-metrics (s)")
     add_common(p)
 
 
@@ -115,5 +123,20 @@ def main_lag(args: argparse.Namespace) -> int:
     from stream_rl.kafka.lag import format_lags, run_lags
 
     names, bootstrap, _ = _names(args)
-    print(format_lags(run_lags(KafkaTransport(bootstrap), names, with_age=not args.no_age)))
+    kafka = KafkaTransport(bootstrap)
+    if args.serve_metrics is None:
+        print(format_lags(run_lags(kafka, names, with_age=not args.no_age)))
+        return 0
+    from stream_rl.kafka.lag import LagExporter
+    from stream_rl.kafka.stage import StopFlag
+    from stream_rl.metrics import serve_metrics
+
+    stop = StopFlag()
+    stop.install_signal_handlers()
+    port = serve_metrics(args.serve_metrics, host="0.0.0.0")
+    print(f"exporting lag of run {names.run} on :{port}/metrics every {args.every:g}s", flush=True)
+    exporter = LagExporter(kafka, names)
+    while not stop:
+        exporter.refresh(with_age=not args.no_age)
+        stop.wait(args.every)
     return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from stream_rl.kafka.topics import TopicNames, load_topology
 from stream_rl.kafka.transport import Transport
@@ -76,3 +77,42 @@ def format_lags(lags: list[PartitionLag]) -> str:
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+
+
+class LagExporter:
+    """Prometheus gauges of a run's consumer lag (the launcher and `stream-rl lag
+    --serve-metrics` refresh them)."""
+
+    def __init__(self, transport: Transport, names: TopicNames) -> None:
+        from prometheus_client import Gauge
+
+        self.transport = transport
+        self.names = names
+        self.lag = _gauge(
+            Gauge, "stream_rl_consumer_lag", "End offset - committed offset", ["group", "topic", "partition"]
+        )
+        self.age = _gauge(
+            Gauge,
+            "stream_rl_consumer_oldest_record_age_seconds",
+            "Age of the oldest unconsumed record",
+            ["group", "topic"],
+        )
+
+    def refresh(self, with_age: bool = True) -> list[PartitionLag]:
+        lags = run_lags(self.transport, self.names, with_age)
+        ages: dict[tuple[str, str], float] = {}
+        for x in lags:
+            self.lag.labels(x.group, x.topic, str(x.partition)).set(x.lag)
+            key = (x.group, x.topic)
+            ages[key] = max(ages.get(key, 0.0), x.oldest_age_s or 0.0)
+        for (group, topic), age in ages.items():
+            self.age.labels(group, topic).set(age)
+        return lags
+
+
+def _gauge(cls: Any, name: str, doc: str, labels: list[str]) -> Any:
+    """One gauge per process (prometheus_client refuses duplicates in its default registry)."""
+    from prometheus_client import REGISTRY
+
+    existing = REGISTRY._names_to_collectors.get(name)  # noqa: SLF001 - no public lookup API
+    return existing if existing is not None else cls(name, doc, labels)

@@ -279,6 +279,11 @@ class MemoryTransport:
             n = len(self.broker.topics[topic])
             return {p: group.committed.get((topic, p), -1) for p in range(n)}
 
+    def group_members(self, group_id: str) -> int:
+        with self.broker.cond:
+            group = self.broker.groups.get(group_id)
+            return len(group.members) if group else 0
+
     def create_topics(self, topics: list[tuple[str, int, dict[str, str]]]) -> list[str]:
         return [name for name, parts, _ in topics if self.broker.create(name, parts)]
 

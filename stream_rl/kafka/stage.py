@@ -306,6 +306,11 @@ class OffsetTracker:
             self._pending.setdefault(msg.tp, {})[msg.offset] = False
             self._next.setdefault(msg.tp, msg.offset)
 
+    def tracks(self, msg: Message) -> bool:
+        """Was `msg` started and not forgotten (its partition not revoked since)?"""
+        with self._lock:
+            return msg.offset in self._pending.get(msg.tp, {})
+
     def done(self, msg: Message) -> None:
         with self._lock:
             part = self._pending.get(msg.tp)

@@ -120,6 +120,10 @@ class Transport(Protocol):
         """Committed offsets of a group on every partition of a topic (-1 where none)."""
         ...
 
+    def group_members(self, group_id: str) -> int:
+        """Live members of a consumer group (0 when the group has none or does not exist)."""
+        ...
+
     def create_topics(self, topics: list[tuple[str, int, dict[str, str]]]) -> list[str]:
         """Create topics that do not exist yet; returns the names created."""
         ...

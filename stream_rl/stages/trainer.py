@@ -69,6 +69,8 @@ from stream_rl.train.step import build_trainer
 log = logging.getLogger(__name__)
 
 STAGE = "trainer"
+CONSUMES = TRAINING_BATCHES
+PRODUCES = (WEIGHT_VERSIONS,)
 RECONNECT_EVERY_S = 30.0
 
 
@@ -380,15 +382,18 @@ class TrainerStage:
 
 def run(
     config: RunConfig,
-    transport: Transport,
+    transport: Transport | None = None,
     *,
     pusher: WeightPusher | None = None,
     stop: StopFlag | None = None,
     max_steps: int | None = None,
     idle_timeout_s: float | None = None,
 ) -> TrainerStats:
-    """Run the trainer stage (see the module docstring); `pusher` defaults to the configured servers."""
-    stage = TrainerStage(config, transport, pusher=pusher, stop=stop)
+    """Run the trainer stage (see the module docstring). `transport` defaults to Kafka at the
+    configured bootstrap, `pusher` to a `WeightSender` for the configured servers."""
+    from stream_rl.stages.entry import open_transport
+
+    stage = TrainerStage(config, open_transport(config, transport), pusher=pusher, stop=stop)
     return stage.run(max_steps=max_steps, idle_timeout_s=idle_timeout_s)
 
 

@@ -1,77 +1,108 @@
-"""Packing: rows within budget, and packed logprobs equal per-sample unpacked logprobs."""
+"""Packing: first-fit decreasing under a token budget, byte limits, the filtered count."""
 
 from __future__ import annotations
 
-import random
-from pathlib import Path
+from dataclasses import replace
 
 import pytest
-import torch
 
-from stream_rl.train.packing import assign_rows, pack_samples
-from stream_rl.train.testing import make_sample, make_tiny_model
+from stream_rl.contracts import TrainingBatch
+from stream_rl.kafka.serde import default_serde
+from stream_rl.stages.packing import batch_id, first_fit_decreasing, pack
+from stream_rl.testing import make_scored, make_training_sample
 
 pytestmark = pytest.mark.unit
 
 
-def test_assign_rows_balances_rows() -> None:
-    rng = random.Random(0)
-    lengths = [rng.randint(12, 80) for _ in range(60)]
-    rows = assign_rows(lengths, 512)
-    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
-    assert all(row == sorted(row) for row in rows)
-    assert rows == assign_rows(lengths, 512)  # deterministic
-    loads = [sum(lengths[i] for i in row) for row in rows]
-    assert len(rows) == -(-sum(lengths) // 512)
-    assert max(loads) - min(loads) <= max(lengths)
-    assert sum(loads) / (len(rows) * max(loads)) > 0.95  # little padding
+def test_first_fit_decreasing() -> None:
+    sizes = [5, 9, 3, 7, 2, 12]
+    bins = first_fit_decreasing(sizes, 10)
+    assert sorted(i for b in bins for i in b) == list(range(6))
+    assert all(sum(sizes[i] for i in b) <= 10 for b in bins if len(b) > 1)
+    assert [5] in bins  # 12 > budget: alone
+    # FFD: 12 | 9 | 7+3 | 5+2 -> 4 bins
+    assert sorted(map(sorted, bins)) == [[0, 4], [1], [2, 3], [5]]
 
 
-def test_one_row_when_everything_fits_and_long_samples_alone() -> None:
-    assert assign_rows([5, 9, 3], 100) == [[0, 1, 2]]
-    # The longest sample sets the row length: 38 tokens in rows of 30 -> 2 rows.
-    assert assign_rows([30, 4, 4], 10) == [[0], [1, 2]]
+def samples(n: int, length: int = 8):  # type: ignore[no-untyped-def]
+    return [make_training_sample(make_scored(i, 0, completion_len=length, prompt_len=4)) for i in range(n)]
 
 
-def test_pack_layout_positions_and_labels() -> None:
-    rng = random.Random(1)
-    samples = [make_sample(rng, key=f"g{i}") for i in range(5)]
-    packed = pack_samples(samples, row_tokens=40)
-    assert packed.real_tokens == sum(len(s.input_ids) for s in samples)
-    assert packed.padded_tokens == packed.input_ids.numel() >= packed.real_tokens
-    n = sum(s.completion_len for s in samples)
-    assert packed.labels.shape == (n,)
-    # Each label is the token right after its predicting position, and positions restart.
-    nxt = packed.input_ids[packed.rows, packed.cols + 1]
-    assert torch.equal(nxt, packed.labels)
-    assert (packed.position_ids[:, 0] == 0).all()
-    expected_labels = [t for s in samples for t in s.input_ids[s.prompt_len :]]
-    assert packed.labels.tolist() == expected_labels
-    assert packed.loss_mask.tolist() == [m for s in samples for m in s.loss_mask]
+def test_pack_respects_the_token_budget_and_carries_the_filtered_count_once() -> None:
+    serde = default_serde()
+    ss = samples(7)  # 12 tokens each
+    out = pack(
+        ss,
+        max_tokens=40,
+        max_bytes=1_000_000,
+        num_filtered=8,
+        filtered_keys=["g1", "g2"],
+        encode=serde.encode,
+        run_id="r",
+        producer_id="p",
+    )
+    batches = [b for b, _ in out]
+    assert [b.num_samples for b in batches] == [3, 3, 1]
+    assert all(b.num_tokens <= 40 for b in batches)
+    assert [b.num_filtered for b in batches] == [8, 0, 0]
+    assert sorted(s.rollout_id for b in batches for s in b.samples) == sorted(s.rollout_id for s in ss)
+    for b, data in out:
+        assert serde.decode(data, TrainingBatch) == b
+    again = pack(
+        ss,
+        max_tokens=40,
+        max_bytes=1_000_000,
+        num_filtered=8,
+        filtered_keys=["g1", "g2"],
+        encode=serde.encode,
+        run_id="r",
+        producer_id="p",
+    )
+    assert [b.batch_id for b, _ in again] == [b.batch_id for b in batches]  # deterministic ids
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_packed_logprobs_equal_unpacked(tmp_path: Path, attn: str) -> None:
-    from transformers import AutoModelForCausalLM
+def test_only_filtered_samples_make_an_empty_batch() -> None:
+    serde = default_serde()
+    [(b, data)] = pack(
+        [],
+        max_tokens=40,
+        max_bytes=10_000,
+        num_filtered=4,
+        filtered_keys=["g"],
+        encode=serde.encode,
+        run_id="r",
+        producer_id="p",
+    )
+    assert b.samples == [] and b.num_filtered == 4 and b.batch_id == batch_id(["filtered", "g"])
+    assert serde.decode(data, TrainingBatch).num_filtered == 4
 
-    torch.set_num_threads(1)
-    make_tiny_model(tmp_path / "m")
-    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), attn_implementation=attn).eval()
-    rng = random.Random(7)
-    samples = [make_sample(rng, key=f"g{i}") for i in range(6)]
-    temperature = 0.7
-    # Small rows: several rows, with padding, so both cross-sample and padding isolation count.
-    packed = pack_samples(samples, row_tokens=48)
-    assert packed.input_ids.shape[0] > 1 and packed.fill < 1.0
-    with torch.no_grad():
-        hidden = model.get_decoder()(
-            input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False
-        ).last_hidden_state
-        logits = model.get_output_embeddings()(hidden[packed.rows, packed.cols])
-        got = torch.log_softmax(logits / temperature, -1).gather(-1, packed.labels[:, None])[:, 0]
-        ref = []
-        for s in samples:
-            full = model(torch.tensor([s.input_ids])).logits[0]
-            lp = torch.log_softmax(full[s.prompt_len - 1 : -1] / temperature, -1)
-            ref.append(lp.gather(-1, torch.tensor(s.input_ids[s.prompt_len :])[:, None])[:, 0])
-    assert torch.allclose(got, torch.cat(ref), atol=1e-6, rtol=0)
+
+def test_batches_are_split_to_stay_under_the_byte_limit() -> None:
+    serde = default_serde()
+    ss = samples(8, length=400)
+    one = len(serde.encode(TrainingBatch("x", "r", ss[:1], "p")))
+    out = pack(
+        ss,
+        max_tokens=100_000,
+        max_bytes=3 * one,
+        num_filtered=0,
+        filtered_keys=[],
+        encode=serde.encode,
+        run_id="r",
+        producer_id="p",
+    )
+    assert len(out) > 1 and all(len(data) <= 3 * one for _, data in out)
+    assert sum(b.num_samples for b, _ in out) == 8
+    # A sample larger than the limit travels alone rather than being lost.
+    big = [replace(ss[0], rollout_id="big")]
+    [(b, data)] = pack(
+        big,
+        max_tokens=10,
+        max_bytes=100,
+        num_filtered=0,
+        filtered_keys=[],
+        encode=serde.encode,
+        run_id="r",
+        producer_id="p",
+    )
+    assert b.num_samples == 1 and len(data) > 100

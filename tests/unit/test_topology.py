@@ -18,7 +18,7 @@ from stream_rl.kafka.topics import (
 
 pytestmark = pytest.mark.unit
 
-NON_CONTRACT_VALUES = {"schema-json", "PartialGroup"}
+NON_CONTRACT_VALUES = {"schema-json"}
 
 
 def test_topology_has_the_design_topics() -> None:

@@ -1,0 +1,144 @@
+"""HTTP request and response bodies of the inference server (pydantic).
+
+Requests forbid unknown fields (an unknown or mistyped field is a 400 with a JSON error naming
+it). The OpenAI-compatible bodies accept the OpenAI fields this engine honours, plus the
+extensions `top_k` and `ignore_eos`; every choice carries `token_ids` and `version_spans`, every
+response `prompt_token_ids`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+
+from stream_rl.inference.sequence import SamplingParams
+
+MAX_STOP = 8  # stop strings per request
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Sampling(Request):
+    model: str | None = None
+    """Accepted and echoed: a server serves one model (GET /v1/models names it)."""
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    """Extension (0 = off). Keep 0 and top_p = 1 for RL: logprobs are of the full distribution."""
+    max_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: Literal[False] = False
+    """Streaming is not supported."""
+    ignore_eos: bool = False
+    """Extension: keep sampling after eos (benchmarks)."""
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOP or any(not s for s in stops):
+            raise ValueError(f"stop: at most {MAX_STOP} non-empty strings")
+        return value
+
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def sampling(self, max_tokens: int | None, default_max_tokens: int, top_logprobs: int) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=max_tokens or default_max_tokens,
+            stop=self.stops(),
+            n=self.n,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            top_logprobs=top_logprobs,
+        )
+
+
+class TextPart(Request):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Request):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    add_generation_prompt: bool = True
+    """Extension: append the assistant turn's opening to the prompt (chat template)."""
+
+
+TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | TokenIds
+    """One prompt: text, or token ids (used as is, no special tokens added)."""
+    logprobs: int | None = Field(None, ge=0, le=20)
+    """Return per-token logprobs and this many top alternatives (0: the sampled token only)."""
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, value: str | list[int]) -> str | list[int]:
+        if not value:
+            raise ValueError("prompt must not be empty")
+        return value
+
+
+class InitGroupRequest(Request):
+    master_addr: str = Field(min_length=1)
+    master_port: int = Field(ge=1, le=65535)
+    rank: int = Field(ge=1)
+    """This server's rank in the weight-sync group (rank 0 is the trainer)."""
+    world_size: int = Field(ge=2)
+    backend: Literal["gloo", "nccl"] = "gloo"
+    timeout_s: float | None = Field(None, gt=0)
+    """Extension: collective timeout (default: the server's --weights-timeout)."""
+
+
+class TensorSpec(Request):
+    name: str = Field(min_length=1)
+    dtype: Literal["float32", "bfloat16", "float16"]
+    shape: list[Annotated[StrictInt, Field(ge=0)]]
+
+
+class UpdateWeightsRequest(Request):
+    version: int = Field(ge=0)
+    tensors: list[TensorSpec] = Field(min_length=1)
+    bucket_bytes: int = Field(ge=1)
+
+
+class VersionSpanBody(BaseModel):
+    version: int
+    start: int
+
+
+class UpdateWeightsResponse(BaseModel):
+    version: int
+    receive_ms: float
+    stall_ms: float
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict[str, Any]:
+    """OpenAI-style error: `{"error": {"message", "type", "param", "code"}}`."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}

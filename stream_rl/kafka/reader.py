@@ -1,0 +1,45 @@
+"""Read partitions of a topic from their start to their current end (read_committed), outside any
+consumer group: the loader's idempotence check and the preprocessor's state rebuild use it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from stream_rl.errors import KafkaError
+from stream_rl.kafka.transport import Message, Transport
+
+
+def read_to_end(
+    transport: Transport,
+    topic: str,
+    partitions: list[int] | None = None,
+    *,
+    client_id: str = "stream-rl-reader",
+    batch: int = 500,
+    timeout_s: float = 60.0,
+) -> Iterator[Message]:
+    """Yield every committed record of `partitions` (all when None) up to the end offsets seen at
+    the call, in offset order per partition. Raises KafkaError if the end is not reached in time."""
+    marks = transport.watermarks(topic)
+    wanted = {p: marks[p] for p in (partitions if partitions is not None else sorted(marks))}
+    ends = {(topic, p): high for p, (low, high) in wanted.items() if high > low}
+    if not ends:
+        return
+    consumer = transport.consumer(None, client_id)
+    try:
+        consumer.assign({(topic, p): low for p, (low, high) in wanted.items() if high > low})
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for msg in consumer.poll_batch(batch, 0.2):
+                if msg.offset < ends[msg.tp]:
+                    yield msg
+            # The position passes transaction markers and compacted gaps the records do not show.
+            position = consumer.position()
+            if all(position.get(tp, -1) >= end for tp, end in ends.items()):
+                return
+            if time.monotonic() > deadline:
+                behind = {tp: (position.get(tp), end) for tp, end in ends.items()}
+                raise KafkaError(f"reading {topic} to its end timed out after {timeout_s}s: {behind}")
+    finally:
+        consumer.close()

@@ -1,0 +1,401 @@
+"""The actor: turns problems into rollouts by sampling the inference servers.
+
+Consumes `problems` (consumer group `actor`). Produces `raw-rollouts`: for each problem,
+`actor.group_size` records (key = group_id, one per sample: token ids, behaviour logprobs,
+version spans, text); problems that cannot be sampled go to `problems.dlq` with the reason.
+
+How it works: one asyncio loop. The consumer is polled (in a worker thread) only when no
+polled problem waits for admission. A problem is admitted when `Admission.can_admit()` says
+so (`stream_rl.stages.admission`: the staleness bound and its proof, conventional mode,
+several actors); then its group_size samples are requested concurrently, each routed by
+`ServerPool` (least loaded, a cap per server, retries with backoff, dead servers probed back;
+a multi-turn rollout stays on one server). Single-turn problems are sent as chat messages
+(the server renders them); multi-turn tasks drive `TurnClient`s with the model's tokenizer.
+
+Invariants:
+- A group's records are produced together, once all its samples exist: downstream never sees
+  part of a group unless the actor died while producing it (the restart completes it, with the
+  same ids).
+- At least once: a problem's offset is committed only after its records (or its DLQ record)
+  are flushed, in order per partition (`OffsetTracker`). A restart re-generates uncommitted
+  problems; rollout ids are deterministic (`<problem_id>.e<epoch>.s<i>`) and the preprocessor
+  drops the duplicates. With `actor.seeded_sampling` the re-generated samples even match.
+- No problem is dropped because servers are down: calls wait for a server to come back.
+- SIGTERM drains: no new admissions, in-flight groups finish (bounded by the request timeout),
+  outputs are flushed and offsets committed.
+
+Run alone: `stream-rl actor --config run.yaml [--instance i]` (inference servers from
+`inference.servers` or `inference.num_servers`/`base_port`; the trainer must have published
+weight version 0 before anything is admitted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from prometheus_client import Counter, Gauge
+
+from stream_rl.config import RunConfig
+from stream_rl.contracts import Problem, Rollout
+from stream_rl.errors import ContractError, KafkaError
+from stream_rl.kafka.follower import VersionFollower
+from stream_rl.kafka.serde import default_serde
+from stream_rl.kafka.stage import OffsetTracker, StageStats, StopFlag, dlq_headers
+from stream_rl.kafka.topics import PROBLEMS, RAW_ROLLOUTS, TopicNames
+from stream_rl.kafka.transport import Message, TopicPartition, Transport
+from stream_rl.metrics import DLQ, RECORDS_IN, RECORDS_OUT
+from stream_rl.stages.admission import Admission, Key, read_group_view
+from stream_rl.stages.entry import add_stage_arguments, open_transport, run_stage_command
+from stream_rl.stages.rollouts import ChatTokenizer, Sampler, sample_seed
+from stream_rl.stages.routing import (
+    ClientFactory,
+    RequestRejected,
+    Server,
+    ServerPool,
+    inference_client_factory,
+    server_urls,
+)
+from stream_rl.tasks import get_task
+
+log = logging.getLogger(__name__)
+
+CONSUMES = PROBLEMS
+PRODUCES = (RAW_ROLLOUTS,)
+
+ADMITTED = Counter("stream_rl_actor_admitted_problems", "Problems admitted", ["actor"])
+IN_FLIGHT = Gauge("stream_rl_actor_in_flight_samples", "Samples admitted and not resolved", ["actor"])
+SERVER_LIVE = Gauge("stream_rl_actor_server_live", "1 while a server is in routing", ["actor", "server"])
+
+POLL_BATCH = 16
+COMMIT_EVERY_S = 0.05
+
+
+class Actor:
+    def __init__(
+        self,
+        config: RunConfig,
+        transport: Transport,
+        stop: StopFlag,
+        instance: int = 0,
+        client_factory: ClientFactory | None = None,
+        tokenizer: Any = None,
+    ) -> None:
+        self.config = config
+        self.cfg = config.actor
+        self.transport = transport
+        self.stop = stop
+        self.names = TopicNames(config.run, config.kafka.prefix)
+        self.topic = self.names[PROBLEMS]
+        self.out_topic = self.names[RAW_ROLLOUTS]
+        self.dlq_topic = self.names.dlq(PROBLEMS)
+        self.group = self.names.group("actor")
+        self.actor_id = f"actor-{instance}"
+        self.instance_id = f"{config.kafka.prefix}.{config.run}.actor.{instance}"
+        self.serde = default_serde()
+        self.task = get_task(config.task.name, config.task.params, config.task.system_prompt)
+        if tokenizer is None and self.task.multi_turn:
+            tokenizer = ChatTokenizer(config.model.path)
+        self.tokenizer = tokenizer
+        self.sampler = Sampler(self.task, tokenizer, self.cfg.sampling, self.actor_id)
+        self.admission = Admission.for_config(
+            config.mode, self.cfg.max_lag, config.trainer.samples_per_step, self.cfg.group_size
+        )
+        self.client_factory = client_factory
+        self.tracker = OffsetTracker()
+        self.stats = StageStats()
+        self._buffer: deque[tuple[Message, Problem]] = deque()
+        self._tasks: dict[Key, asyncio.Task[None]] = {}
+        self._done: list[Message] = []
+        self._revoked: deque[list[TopicPartition]] = deque()
+        self._failure: BaseException | None = None
+        self._last_commit = 0.0
+        self._last_refresh = 0.0
+        self._last_state_log = 0.0
+
+    # -- Kafka side --------------------------------------------------------------------------
+    async def _refresh(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_refresh < self.cfg.refresh_s:
+            return
+        self._last_refresh = now
+        view = await asyncio.to_thread(
+            read_group_view, self.transport, self.topic, self.dlq_topic, self.group
+        )
+        self.admission.update_view(view)
+
+    def _on_revoke(self, partitions: list[TopicPartition]) -> None:
+        """Poll thread: commit what is durable, hand the rest to the loop to cancel."""
+        offsets = self.tracker.committable()
+        if offsets:
+            try:
+                self.consumer.commit(offsets)
+                self.admission.on_commit({p: o for (_t, p), o in offsets.items()})
+            except KafkaError as exc:  # partitions lost, not revoked: their next owner redoes them
+                log.warning("%s: commit on revocation failed: %s", self.actor_id, exc)
+        self.tracker.forget(partitions)
+        self._revoked.append(list(partitions))
+
+    def _apply_revocations(self) -> None:
+        while self._revoked:
+            parts = {p for _t, p in self._revoked.popleft()}
+            self._buffer = deque(x for x in self._buffer if x[0].partition not in parts)
+            for key in [k for k in self._tasks if k[0] in parts]:
+                self._tasks[key].cancel()
+            self._done = [m for m in self._done if m.partition not in parts]
+            self.admission.forget_partitions(parts)
+            log.info(
+                "%s: partitions %s revoked; their unfinished problems go to the next owner",
+                self.actor_id,
+                sorted(parts),
+            )
+
+    def _dead_letter(self, msg: Message, error: str) -> None:
+        log.warning(
+            "%s: problem %s[%d]@%d to the DLQ: %s", self.actor_id, msg.topic, msg.partition, msg.offset, error
+        )
+        self.producer.produce(
+            self.dlq_topic, msg.value, key=msg.key, headers=dlq_headers(msg, "actor", error)
+        )
+        self.admission.dlq_written()
+        DLQ.labels("actor", msg.topic).inc()
+        self.stats.dlq += 1
+
+    def _accept(self, msgs: list[Message]) -> None:
+        for msg in msgs:
+            self.tracker.started(msg)
+            self.stats.records_in += 1
+            RECORDS_IN.labels("actor", msg.topic).inc()
+            try:
+                problem = self.serde.decode(msg.value, Problem)
+            except ContractError as exc:
+                self._dead_letter(msg, str(exc))
+                self._done.append(msg)
+                continue
+            if problem.task != self.task.name:
+                self._dead_letter(
+                    msg, f"problem of task {problem.task!r}; this run's task is {self.task.name!r}"
+                )
+                self._done.append(msg)
+                continue
+            self._buffer.append((msg, problem))
+
+    async def _commit(self, force: bool = False) -> None:
+        if not self._done or (not force and time.monotonic() - self._last_commit < COMMIT_EVERY_S):
+            return
+        batch, self._done = self._done, []
+        await asyncio.to_thread(self.producer.flush)
+        for msg in batch:
+            if self.tracker.tracks(msg):
+                self.tracker.done(msg)
+        offsets = self.tracker.committable()
+        if offsets:
+            await asyncio.to_thread(self.consumer.commit, offsets)
+            self.admission.on_commit({p: o for (_t, p), o in offsets.items()})
+        self._last_commit = time.monotonic()
+        self.stats.batches += 1
+
+    # -- generation --------------------------------------------------------------------------
+    def _admit(self) -> bool:
+        admitted = False
+        while self._buffer and self.admission.can_admit():
+            msg, problem = self._buffer.popleft()
+            key = (msg.partition, msg.offset)
+            self.admission.admit(key)
+            ADMITTED.labels(self.actor_id).inc()
+            task = asyncio.create_task(self._group(msg, problem, key))
+            self._tasks[key] = task
+            task.add_done_callback(functools.partial(self._task_done, key))
+            admitted = True
+        return admitted
+
+    def _task_done(self, key: Key, task: asyncio.Task[None]) -> None:
+        if self._tasks.get(key) is task:
+            del self._tasks[key]
+        if not task.cancelled() and task.exception() is not None and self._failure is None:
+            self._failure = task.exception()
+        self._wake.set()
+
+    async def _group(self, msg: Message, problem: Problem, key: Key) -> None:
+        samples = [asyncio.create_task(self._sample(problem, i)) for i in range(self.cfg.group_size)]
+        try:
+            rollouts = await asyncio.gather(*samples)
+        except RequestRejected as exc:
+            for s in samples:
+                s.cancel()
+            await asyncio.gather(*samples, return_exceptions=True)
+            self._dead_letter(msg, str(exc))
+        except BaseException:
+            for s in samples:
+                s.cancel()
+            raise
+        else:
+            # All at once, no await in between: a cancellation never splits a group.
+            for rollout in rollouts:
+                self.producer.produce(self.out_topic, self.serde.encode(rollout), key=rollout.group_id)
+            self.stats.records_out += len(rollouts)
+            RECORDS_OUT.labels("actor", self.out_topic).inc(len(rollouts))
+        self.admission.generated(key)
+        self._done.append(msg)
+        self._wake.set()
+
+    async def _sample(self, problem: Problem, index: int) -> Rollout:
+        rollout_id = Rollout.make_rollout_id(Rollout.make_group_id(problem), index)
+        seed = sample_seed(self.config.seed, rollout_id) if self.cfg.seeded_sampling else None
+
+        async def call(server: Server) -> Rollout:
+            return await self.sampler.sample(
+                server.client, server.url, problem, index, self.cfg.group_size, seed
+            )
+
+        return await self.pool.call(call, rollout_id)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def _wake_from_thread(self, loop: asyncio.AbstractEventLoop) -> None:
+        loop.call_soon_threadsafe(self._wake.set)
+
+    def _check_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    def _publish_gauges(self) -> None:
+        resolved = self.admission.resolved or 0
+        IN_FLIGHT.labels(self.actor_id).set(self.admission.admitted_samples() - resolved)
+        for s in self.pool.servers:
+            SERVER_LIVE.labels(self.actor_id, s.url).set(0 if s.dead else 1)
+        now = time.monotonic()
+        if self._buffer and now - self._last_state_log > 10:
+            self._last_state_log = now
+            log.info(
+                "%s: holding %d problems: %s", self.actor_id, len(self._buffer), self.admission.describe()
+            )
+
+    async def _loop(self, max_records: int | None, idle_timeout_s: float | None) -> None:
+        last_input = time.monotonic()
+        while True:
+            self._check_failure()
+            if self.stop:
+                self.stats.stopped_by = self.stop.reason or "stopped"
+                return
+            exhausted = max_records is not None and self.stats.records_in >= max_records
+            if exhausted and not self._buffer:
+                self.stats.stopped_by = "max_records"
+                return
+            await self._refresh()
+            self.admission.observe(self.follower.latest)
+            progressed = False
+            # Polling also serves rebalances, so it goes on while a few problems wait for admission.
+            if len(self._buffer) < POLL_BATCH and not exhausted:
+                want = (
+                    POLL_BATCH
+                    if max_records is None
+                    else min(POLL_BATCH, max_records - self.stats.records_in)
+                )
+                msgs = await asyncio.to_thread(self.consumer.poll_batch, want, 0.1)
+                self._apply_revocations()
+                if msgs:
+                    self._accept(msgs)
+                    progressed = True
+            progressed = self._admit() or progressed
+            await self._commit()
+            self._publish_gauges()
+            now = time.monotonic()
+            if progressed or self._tasks or self._buffer:
+                last_input = now
+            elif idle_timeout_s is not None and now - last_input >= idle_timeout_s and not self._done:
+                self.stats.stopped_by = "idle_timeout"
+                return
+            if len(self._buffer) >= POLL_BATCH and not progressed:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=0.1)
+
+    async def _drain(self) -> None:
+        if self._tasks:
+            log.info("%s: draining %d groups in flight", self.actor_id, len(self._tasks))
+            _done, pending = await asyncio.wait(
+                list(self._tasks.values()), timeout=self.cfg.request_timeout_s
+            )
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        self._check_failure()
+        await self._commit(force=True)
+
+    async def run(self, max_records: int | None = None, idle_timeout_s: float | None = None) -> StageStats:
+        loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        urls = server_urls(self.config)
+        factory = self.client_factory or inference_client_factory(self.config)
+        self.pool = ServerPool(
+            {url: factory(url) for url in urls},
+            cap=self.cfg.concurrency_per_server,
+            max_retries=self.cfg.max_retries,
+            backoff_s=self.cfg.backoff_s,
+            backoff_max_s=self.cfg.backoff_max_s,
+            cooldown_s=self.cfg.dead_cooldown_s,
+        )
+        self.follower = VersionFollower(
+            self.transport,
+            self.names,
+            client_id=f"{self.actor_id}-versions",
+            on_version=lambda _wv: self._wake_from_thread(loop),
+        ).start()
+        self.consumer = self.transport.consumer(self.group, self.actor_id, self.instance_id)
+        self.producer = self.transport.producer(self.actor_id)
+        try:
+            self.consumer.subscribe([self.topic], on_revoke=self._on_revoke)
+            await self._refresh(force=True)
+            await self._loop(max_records, idle_timeout_s)
+            await self._drain()
+        finally:
+            for task in list(self._tasks.values()):
+                task.cancel()
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+            self.follower.stop()
+            await self.pool.aclose()
+            try:
+                await asyncio.to_thread(self.consumer.close)
+            finally:
+                self.producer.close()
+        self.stats.extra["samples"] = float(self.stats.records_out)
+        return self.stats
+
+
+def run(
+    config: RunConfig,
+    *,
+    transport: Transport | None = None,
+    stop: StopFlag | None = None,
+    max_records: int | None = None,
+    idle_timeout_s: float | None = None,
+    instance: int = 0,
+    client_factory: ClientFactory | None = None,
+    tokenizer: Any = None,
+) -> StageStats:
+    """Run the actor until stopped, `max_records` problems taken, or `idle_timeout_s` without work.
+    `client_factory(url)` replaces the HTTP client and `tokenizer` (render/decode) the model's
+    tokenizer of multi-turn tasks (tests)."""
+    actor = Actor(
+        config,
+        open_transport(config, transport),
+        stop if stop is not None else StopFlag(),
+        instance,
+        client_factory,
+        tokenizer,
+    )
+    return asyncio.run(actor.run(max_records, idle_timeout_s))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_stage_arguments(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    return run_stage_command("actor", run, args)

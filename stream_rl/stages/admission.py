@@ -1,0 +1,212 @@
+"""Admission control: when may the actor start another problem's group?
+
+Units are samples. S = `trainer.samples_per_step`, g = `actor.group_size`, L = `actor.max_lag`.
+
+- R (resolved): `WeightVersion.samples_consumed` of the latest version seen (trained + filtered).
+- A (admitted): the samples of every problem admitted so far in the run, by any actor:
+  `g·(C − D) + g·U`, with C the problems the actor group has committed (Σ committed − low over
+  the partitions of `problems`), D the records in `problems.dlq` (problems that yield no
+  samples; C counts them too) and U the problems this actor admitted whose offsets are not yet
+  committed. Being derived from Kafka, A survives restarts: a restarted actor redoes its
+  uncommitted problems (downstream drops the duplicates), and C counts each problem once.
+- In flight: A − R.
+
+**Rule** (pipeline): admit a group when `A + g ≤ base + B`, with `B = (L + 1)·S` and `base = R`;
+while a group this actor admitted earlier is still generating, `base` is the smallest R seen at
+the admission of such a group, so no later group can push the window past a straggler. B is
+raised to `ceil(S/g)·g` when smaller, so whole groups can always fill a step (no deadlock).
+Nothing is admitted before version 0 (`kind: init`) is seen.
+
+**Why the version lag stays ≤ L** (lag = version of the weights that train a sample − the
+sample's min sampling version, as the trainer measures it). Let group G be admitted when the
+latest version seen is k, published after R_k samples were consumed. Servers install a version
+before the trainer publishes it, so G's tokens are sampled with versions ≥ k. The trainer reads
+`training-batches` in order and steps once per S samples consumed, so the sample at stream
+position q (0-based, trained and filtered samples counted) is trained with weights of version
+≤ k + floor((q − R_k) / S). The samples consumed before G's come from groups admitted before G
+(A ≤ R_k + B − g then), groups admitted while G generates (the straggler guard keeps
+A ≤ R_k + B), and groups admitted after G's samples were produced that overtake them in the
+verifier or preprocessor. Without that last kind, q < R_k + B = R_k + (L + 1)·S, so the weights
+are ≤ k + L and the lag ≤ L. Overtaking after production needs one partition of raw-rollouts or
+scored to fall a whole generation behind another (both stages read each partition in order);
+the trainer measures the lag of every sample, so a violation would show.
+
+**Conventional** (`mode: conventional`): the same rule with L = 0 and B = S (a multiple of g, the
+config checks it). The actor admits exactly S samples; then `A = R + S` blocks admission until
+the trainer has consumed all of them, stepped and published version k + 1 (R only moves when a
+version is published). The next S samples are sampled with version k + 1 and trained by step
+k + 2 with weights k + 1: lag 0, every sample exactly on-policy.
+
+**Several actors** share the bound through Kafka: C and D include the other actors' commits and
+dead letters (re-read every `actor.refresh_s`), and each actor counts the others' uncommitted
+problems as many as its own: `A = g·(C − D) + N·g·U`, N = live members of the actor group. Exact
+for one actor. With N actors A is an estimate: the others' progress is up to `refresh_s` old,
+and two actors may admit in the same instant, so the in-flight samples can exceed B by up to
+(N − 1)·g for a while, and the lag bound (or conventional mode's exactness) holds only up to
+that overshoot.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from stream_rl.contracts import WeightVersion
+from stream_rl.kafka.transport import Transport
+
+Key = tuple[int, int]
+"""A problem record: (partition, offset) in `problems`."""
+
+
+def admission_bound(mode: str, max_lag: int, samples_per_step: int, group_size: int) -> int:
+    """B: the most samples admitted but not resolved (see the module docstring)."""
+    lag = 0 if mode == "conventional" else max_lag
+    whole_groups = math.ceil(samples_per_step / group_size) * group_size
+    return max((lag + 1) * samples_per_step, whole_groups)
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """What Kafka says about the whole actor group (re-read every `actor.refresh_s`)."""
+
+    committed: dict[int, int]
+    """Committed offset per partition of `problems` (-1: none yet)."""
+    low: dict[int, int]
+    """Low watermark per partition of `problems`."""
+    dlq: int
+    """Records in `problems.dlq`."""
+    members: int
+    """Live members of the actor group."""
+
+
+def read_group_view(transport: Transport, topic: str, dlq_topic: str, group: str) -> GroupView:
+    """The actor group's progress as the broker has it (admin calls: run it off the event loop)."""
+    marks = transport.watermarks(topic)
+    committed = transport.group_offsets(group, topic)
+    dlq = sum(high for _low, high in transport.watermarks(dlq_topic).values())
+    members = transport.group_members(group)
+    return GroupView(committed, {p: low for p, (low, _high) in marks.items()}, dlq, members)
+
+
+@dataclass
+class _Open:
+    resolved_at_admission: int
+    generating: bool = True
+
+
+@dataclass
+class Admission:
+    """The admission state of one actor. Thread-safe (rebalance callbacks run on the poll thread)."""
+
+    group_size: int
+    bound: int
+    version: int | None = None
+    resolved: int | None = None
+    members: int = 1
+    _committed: dict[int, int] = field(default_factory=dict)
+    _low: dict[int, int] = field(default_factory=dict)
+    _dlq_seen: int = 0
+    _dlq_own: int = 0
+    _open: dict[Key, _Open] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def for_config(cls, mode: str, max_lag: int, samples_per_step: int, group_size: int) -> Admission:
+        return cls(group_size=group_size, bound=admission_bound(mode, max_lag, samples_per_step, group_size))
+
+    # -- inputs ----------------------------------------------------------------------------------
+    def observe(self, wv: WeightVersion | None) -> None:
+        """The latest weight version (None: none published yet)."""
+        if wv is None:
+            return
+        with self._lock:
+            if self.version is None or wv.version >= self.version:
+                self.version = wv.version
+                self.resolved = max(wv.samples_consumed, self.resolved or 0)
+
+    def update_view(self, view: GroupView) -> None:
+        with self._lock:
+            for p, offset in view.committed.items():
+                self._committed[p] = max(self._committed.get(p, -1), offset)
+            self._low.update(view.low)
+            self._dlq_seen = view.dlq
+            self._dlq_own = 0
+            self.members = max(view.members, 1)
+            self._drop_committed()
+
+    def on_commit(self, offsets: dict[int, int]) -> None:
+        """This actor committed `offsets` (partition -> next offset)."""
+        with self._lock:
+            for p, offset in offsets.items():
+                self._committed[p] = max(self._committed.get(p, -1), offset)
+            self._drop_committed()
+
+    def _drop_committed(self) -> None:
+        for key in [k for k in self._open if k[1] < self._committed.get(k[0], -1)]:
+            del self._open[key]
+
+    def dlq_written(self) -> None:
+        """This actor wrote a problem record to the DLQ."""
+        with self._lock:
+            self._dlq_own += 1
+
+    def admit(self, key: Key) -> None:
+        with self._lock:
+            self._open[key] = _Open(self.resolved or 0)
+
+    def generated(self, key: Key) -> None:
+        """The group's samples are produced (or it was dead-lettered): no longer a straggler."""
+        with self._lock:
+            if key in self._open:
+                self._open[key].generating = False
+
+    def forget_partitions(self, partitions: Iterable[int]) -> None:
+        """Problems of revoked partitions: this actor will not finish them, their next owner counts them."""
+        parts = set(partitions)
+        with self._lock:
+            for key in [k for k in self._open if k[0] in parts]:
+                del self._open[key]
+
+    # -- decisions -------------------------------------------------------------------------------
+    def _committed_problems(self) -> int:
+        total = 0
+        for p, offset in self._committed.items():
+            low = self._low.get(p, 0)
+            total += max(offset, low) - low
+        return total
+
+    def admitted_samples(self) -> int:
+        """A: samples admitted in the run (an estimate with several actors)."""
+        with self._lock:
+            return self._admitted()
+
+    def _admitted(self) -> int:
+        dlq = self._dlq_seen + self._dlq_own
+        return self.group_size * (self._committed_problems() - dlq + self.members * len(self._open))
+
+    def _base(self) -> int:
+        assert self.resolved is not None
+        stragglers = [o.resolved_at_admission for o in self._open.values() if o.generating]
+        return min([self.resolved, *stragglers])
+
+    def can_admit(self) -> bool:
+        with self._lock:
+            if self.resolved is None:
+                return False
+            return self._admitted() + self.group_size <= self._base() + self.bound
+
+    def open_problems(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+    def describe(self) -> str:
+        with self._lock:
+            if self.resolved is None:
+                return "waiting for weight version 0"
+            return (
+                f"version {self.version}, admitted {self._admitted()} samples, resolved {self.resolved}, "
+                f"window base {self._base()} + bound {self.bound}, {len(self._open)} open problems, "
+                f"{self.members} actor(s)"
+            )

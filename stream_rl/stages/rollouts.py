@@ -1,0 +1,230 @@
+"""Turning inference results into `Rollout` records, and the `ModelClient` multi-turn tasks drive.
+
+- Single-turn: the actor sends the problem's chat messages to a server (the server applies the
+  chat template and returns the prompt's token ids); one completion becomes one rollout whose
+  completion is every sampled token (end of sequence included), with the server's behaviour
+  logprobs and version spans, and `completion_mask` None (every token sampled).
+- Multi-turn: `Task.generate_rollout(TurnClient(...), problem, sampling)` drives one server
+  through several calls and returns ONE sequence; its `text` (which carries the environment's
+  game-over marker) becomes `Rollout.text`, its mask marks the sampled tokens.
+- Sampling seeds: `sample_seed(run_seed, rollout_id)` is stable, so re-generating a rollout
+  after a crash asks the server for the same random stream (same tokens under same weights).
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from stream_rl.config import SamplingConfig
+from stream_rl.contracts import ChatMessage, Problem, Rollout, VersionSpan, now_ms
+from stream_rl.errors import TaskError
+from stream_rl.tasks.base import Completion, MultiTurnResult, Task
+
+_TURN_STRIDE = 7919
+
+
+class SpanLike(Protocol):
+    version: int
+    start: int
+
+
+class CompletionLike(Protocol):
+    """What the inference client returns (its `Completion`)."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    version_spans: Any
+    text: str
+    finish_reason: str
+
+
+def sample_seed(run_seed: int, rollout_id: str) -> int:
+    """A stable 31-bit sampling seed per rollout."""
+    return zlib.crc32(f"{run_seed}:{rollout_id}".encode()) & 0x7FFFFFFF
+
+
+def spans_of(spans: Any) -> list[VersionSpan]:
+    """Version spans from the client's objects or dicts."""
+    out = []
+    for s in spans:
+        if isinstance(s, Mapping):
+            out.append(VersionSpan(int(s["version"]), int(s["start"])))
+        else:
+            out.append(VersionSpan(int(s.version), int(s.start)))
+    return out
+
+
+def rollout_from_completion(
+    problem: Problem,
+    sample_index: int,
+    group_size: int,
+    completion: CompletionLike,
+    *,
+    actor_id: str,
+    server_id: str,
+    started_ms: int,
+    finished_ms: int,
+    generation_ms: float,
+) -> Rollout:
+    group_id = Rollout.make_group_id(problem)
+    return Rollout(
+        rollout_id=Rollout.make_rollout_id(group_id, sample_index),
+        group_id=group_id,
+        sample_index=sample_index,
+        group_size=group_size,
+        problem=problem,
+        prompt_token_ids=list(completion.prompt_token_ids),
+        completion_token_ids=list(completion.token_ids),
+        logprobs=[float(x) for x in completion.logprobs],
+        version_spans=spans_of(completion.version_spans),
+        finish_reason=completion.finish_reason,
+        text=completion.text,
+        actor_id=actor_id,
+        server_id=server_id,
+        started_ms=started_ms,
+        finished_ms=finished_ms,
+        generation_ms=generation_ms,
+    )
+
+
+def rollout_from_turns(
+    problem: Problem,
+    sample_index: int,
+    group_size: int,
+    result: MultiTurnResult,
+    *,
+    actor_id: str,
+    server_id: str,
+    started_ms: int,
+    finished_ms: int,
+    generation_ms: float,
+) -> Rollout:
+    group_id = Rollout.make_group_id(problem)
+    return Rollout(
+        rollout_id=Rollout.make_rollout_id(group_id, sample_index),
+        group_id=group_id,
+        sample_index=sample_index,
+        group_size=group_size,
+        problem=problem,
+        prompt_token_ids=list(result.prompt_token_ids),
+        completion_token_ids=list(result.completion_token_ids),
+        completion_mask=list(result.completion_mask),
+        logprobs=list(result.logprobs),
+        version_spans=list(result.version_spans),
+        finish_reason=result.finish_reason,
+        text=result.text,
+        num_turns=result.num_turns,
+        actor_id=actor_id,
+        server_id=server_id,
+        started_ms=started_ms,
+        finished_ms=finished_ms,
+        generation_ms=generation_ms,
+    )
+
+
+class Sampler:
+    """One sample of a problem on one server: a completion (single-turn) or a whole multi-turn
+    rollout, as a validated `Rollout` (a ContractError is the server's: the pool retries)."""
+
+    def __init__(self, task: Task, tokenizer: Any, sampling: SamplingConfig, actor_id: str) -> None:
+        self.task = task
+        self.tokenizer = tokenizer
+        self.sampling = sampling
+        self.actor_id = actor_id
+
+    async def sample(
+        self, client: Any, server_id: str, problem: Problem, index: int, group_size: int, seed: int | None
+    ) -> Rollout:
+        started, t0 = now_ms(), time.perf_counter()
+        if self.task.multi_turn:
+            if self.tokenizer is None:
+                raise TaskError(
+                    f"task {self.task.name!r} is multi-turn: the actor needs the model's tokenizer"
+                )
+            turns = TurnClient(client, self.tokenizer, seed)
+            result = await self.task.generate_rollout(turns, problem, self.sampling)
+            rollout = rollout_from_turns(
+                problem,
+                index,
+                group_size,
+                result,
+                actor_id=self.actor_id,
+                server_id=server_id,
+                started_ms=started,
+                finished_ms=now_ms(),
+                generation_ms=(time.perf_counter() - t0) * 1000,
+            )
+        else:
+            messages = [m.to_dict() for m in problem.prompt]
+            completion = await client.complete(messages, self.sampling, seed=seed)
+            rollout = rollout_from_completion(
+                problem,
+                index,
+                group_size,
+                completion,
+                actor_id=self.actor_id,
+                server_id=server_id,
+                started_ms=started,
+                finished_ms=now_ms(),
+                generation_ms=(time.perf_counter() - t0) * 1000,
+            )
+        rollout.validate()
+        return rollout
+
+
+class ChatTokenizer:
+    """`render`/`decode` with the model's own tokenizer and chat template (multi-turn tasks only;
+    transformers is imported on first use)."""
+
+    def __init__(self, model_path: str) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            self._tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+        except OSError as exc:
+            raise TaskError(f"cannot load the tokenizer of model.path={model_path!r}: {exc}") from exc
+
+    def render(self, messages: list[ChatMessage]) -> list[int]:
+        out: Any = self._tok.apply_chat_template(
+            [m.to_dict() for m in messages], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(out, Mapping):  # transformers 5 may return a BatchEncoding
+            out = out["input_ids"]
+        return [int(t) for t in out]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return str(self._tok.decode(token_ids, skip_special_tokens=True))
+
+
+class TurnClient:
+    """A `ModelClient` bound to ONE server's client for the whole multi-turn rollout."""
+
+    def __init__(self, client: Any, tokenizer: Any, seed: int | None) -> None:
+        """`tokenizer`: `render(messages)` and `decode(ids)`, e.g. a `ChatTokenizer`."""
+        self._client = client
+        self._tokenizer = tokenizer
+        self._seed = seed
+        self._turn = 0
+
+    async def complete(self, prompt_token_ids: list[int], sampling: SamplingConfig) -> Completion:
+        seed = None if self._seed is None else (self._seed + _TURN_STRIDE * self._turn) & 0x7FFFFFFF
+        self._turn += 1
+        c = await self._client.complete(prompt_token_ids, sampling, seed=seed)
+        return Completion(
+            prompt_token_ids=list(c.prompt_token_ids),
+            token_ids=list(c.token_ids),
+            logprobs=[float(x) for x in c.logprobs],
+            version_spans=spans_of(c.version_spans),
+            text=c.text,
+            finish_reason=c.finish_reason,
+        )
+
+    def render(self, messages: list[ChatMessage]) -> list[int]:
+        return self._tokenizer.render(messages)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids)

@@ -1,0 +1,143 @@
+"""Admission arithmetic: the bound, conventional batches, the straggler guard, Kafka accounting,
+and a simulation that checks the lag bound the module docstring proves."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from stream_rl.stages.admission import Admission, GroupView, admission_bound
+from stream_rl.testing import make_weight_version
+
+pytestmark = pytest.mark.unit
+
+
+def version(v: int, consumed: int):  # type: ignore[no-untyped-def]
+    return replace(make_weight_version(v), samples_trained=consumed, samples_filtered=0)
+
+
+def admit_all(adm: Admission, start: int, partition: int = 0) -> list[tuple[int, int]]:
+    keys = []
+    offset = start
+    while adm.can_admit():
+        key = (partition, offset)
+        adm.admit(key)
+        keys.append(key)
+        offset += 1
+    return keys
+
+
+def test_bound() -> None:
+    assert admission_bound("pipeline", 2, 64, 8) == 3 * 64
+    assert admission_bound("pipeline", 0, 64, 8) == 64
+    assert admission_bound("conventional", 5, 64, 8) == 64  # max_lag ignored
+    assert admission_bound("pipeline", 0, 10, 4) == 12  # whole groups can fill a step
+
+
+def test_nothing_before_version_zero() -> None:
+    adm = Admission.for_config("pipeline", 1, 8, 4)
+    assert not adm.can_admit()
+    adm.observe(version(0, 0))
+    assert adm.can_admit()
+
+
+def test_pipeline_admits_up_to_the_bound_and_more_as_samples_resolve() -> None:
+    adm = Admission.for_config("pipeline", 1, 8, 4)  # B = 16 samples = 4 groups
+    adm.observe(version(0, 0))
+    keys = admit_all(adm, 0)
+    assert len(keys) == 4 and adm.admitted_samples() == 16
+    for k in keys:
+        adm.generated(k)
+    adm.on_commit({0: 4})
+    assert adm.admitted_samples() == 16 and not adm.can_admit()  # committed: still in flight
+    adm.observe(version(1, 8))  # one step trained
+    assert len(admit_all(adm, 4)) == 2
+
+
+def test_conventional_admits_exactly_one_step_per_version() -> None:
+    adm = Admission.for_config("conventional", 3, 8, 4)
+    adm.observe(version(0, 0))
+    first = admit_all(adm, 0)
+    assert len(first) == 2  # 8 samples
+    for k in first:
+        adm.generated(k)
+    adm.on_commit({0: 2})
+    adm.observe(version(0, 0))
+    assert not adm.can_admit()
+    adm.observe(version(1, 8))
+    assert len(admit_all(adm, 2)) == 2
+
+
+def test_a_generating_straggler_holds_the_window() -> None:
+    adm = Admission.for_config("pipeline", 1, 8, 4)
+    adm.observe(version(0, 0))
+    keys = admit_all(adm, 0)
+    for k in keys[1:]:
+        adm.generated(k)  # keys[0] is still generating
+    adm.on_commit({0: 0})
+    adm.observe(version(1, 8))
+    assert not adm.can_admit()  # the window may not move past the straggler's
+    adm.generated(keys[0])
+    assert adm.can_admit()
+
+
+def test_kafka_view_counts_other_actors_and_dead_letters() -> None:
+    adm = Admission.for_config("pipeline", 0, 8, 4)  # B = 8
+    adm.observe(version(3, 100))
+    # 25 problems committed by the group in two partitions, 1 of them dead-lettered: 96 samples.
+    adm.update_view(GroupView(committed={0: 10, 1: 15}, low={0: 0, 1: 0}, dlq=1, members=1))
+    assert adm.admitted_samples() == 96
+    assert len(admit_all(adm, 15, partition=1)) == 3  # 96 + 12 <= 100 + 8
+    # With two live actors, each counts the other's uncommitted problems as many as its own.
+    adm.update_view(GroupView(committed={0: 10, 1: 15}, low={0: 0, 1: 0}, dlq=1, members=2))
+    assert adm.admitted_samples() == 96 + 2 * 12
+    # A revoked partition's problems are the next owner's to count.
+    adm.forget_partitions([1])
+    assert adm.admitted_samples() == 96
+
+
+def test_restart_resumes_from_committed_offsets() -> None:
+    adm = Admission.for_config("pipeline", 1, 8, 4)
+    adm.update_view(GroupView(committed={0: 6}, low={0: 0}, dlq=0, members=1))
+    adm.observe(version(1, 8))  # 24 samples admitted before, 8 trained: 16 in flight = B
+    assert not adm.can_admit()
+    adm.observe(version(2, 16))
+    assert len(admit_all(adm, 6)) == 2
+
+
+@pytest.mark.parametrize(
+    "mode,max_lag", [("pipeline", 0), ("pipeline", 1), ("pipeline", 3), ("conventional", 2)]
+)
+def test_simulated_pipeline_never_exceeds_max_lag(mode: str, max_lag: int) -> None:
+    """An event simulation: groups take random times to generate and reach the trainer in the
+    order they finish (overtaking while generating); the trainer steps every S samples."""
+    S, g = 12, 4
+    rng = random.Random(max_lag)
+    adm = Admission.for_config(mode, max_lag, S, g)
+    v, consumed = 0, 0
+    adm.observe(version(0, 0))
+    generating: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (finish time, sampled version)
+    queue: list[int] = []  # sampled versions of samples waiting for the trainer, in arrival order
+    next_offset, lags = 0, []
+    for t in range(3000):
+        while adm.can_admit():
+            key = (0, next_offset)
+            next_offset += 1
+            adm.admit(key)
+            generating[key] = (t + rng.randint(1, 40), v)
+        for key, (done_at, sampled) in sorted(generating.items(), key=lambda kv: kv[1][0]):
+            if done_at <= t:
+                del generating[key]
+                adm.generated(key)
+                queue.extend([sampled] * g)
+        adm.on_commit({0: min(generating, default=(0, next_offset))[1]})
+        while len(queue) >= S:  # one optimizer step with weights v
+            batch, queue = queue[:S], queue[S:]
+            lags.extend(v - sampled for sampled in batch)
+            consumed += S
+            v += 1
+            adm.observe(version(v, consumed))
+    expected = 0 if mode == "conventional" else max_lag
+    assert v > 50 and max(lags) == expected

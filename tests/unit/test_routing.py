@@ -1,0 +1,143 @@
+"""ServerPool: least-loaded routing, the per-server cap, retries, dead servers and their return."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+from fakes.inference import FakeServer
+
+from stream_rl.config import SamplingConfig
+from stream_rl.errors import TaskError
+from stream_rl.stages.routing import RequestRejected, Server, ServerPool
+
+pytestmark = pytest.mark.unit
+
+MESSAGES = [{"role": "user", "content": "2+3="}]
+
+
+def pool_of(servers: list[FakeServer], **kw) -> ServerPool:  # type: ignore[no-untyped-def]
+    opts = dict(cap=2, max_retries=2, backoff_s=0.001, backoff_max_s=0.01, cooldown_s=0.02)
+    opts.update(kw)
+    return ServerPool({s.url: s.client() for s in servers}, **opts)  # type: ignore[arg-type]
+
+
+async def ask(pool: ServerPool, what: str = "r") -> str:
+    async def call(server: Server) -> str:
+        await server.client.complete(MESSAGES, SamplingConfig())
+        return server.url
+
+    return await pool.call(call, what)
+
+
+def test_least_loaded_with_a_cap_per_server() -> None:
+    async def main() -> None:
+        servers = [FakeServer(f"s{i}") for i in range(3)]
+        gate = asyncio.Event()
+        for s in servers:
+            s.gate = gate
+        pool = pool_of(servers, cap=2)
+        calls = [asyncio.create_task(ask(pool)) for _ in range(7)]
+        while pool.in_flight() < 6:
+            await asyncio.sleep(0)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        # Six fill the three servers evenly; the seventh waits for a slot.
+        assert [s.in_flight for s in pool.servers] == [2, 2, 2]
+        assert sum(not c.done() for c in calls) == 7
+        gate.set()
+        urls = await asyncio.gather(*calls)
+        assert sorted(urls).count("s0") >= 2 and len(urls) == 7
+        assert max(s.max_in_flight for s in servers) == 2
+        await pool.aclose()
+
+    asyncio.run(main())
+
+
+def test_dead_server_leaves_routing_and_comes_back_after_a_health_probe() -> None:
+    async def main() -> None:
+        a, b = FakeServer("a"), FakeServer("b", down=True)
+        pool = pool_of([a, b], max_retries=2)
+        urls = [await ask(pool, f"r{i}") for i in range(10)]
+        assert urls == ["a"] * 10  # every call succeeded, on the live server
+        assert b.calls == 2  # two consecutive failures, then out of routing
+        assert pool.servers[1].dead
+        b.down = False
+        while pool.servers[1].dead:  # probed back after the cooldown
+            await asyncio.sleep(0.01)
+        gate = asyncio.Event()
+        a.gate = b.gate = gate
+        calls = [asyncio.create_task(ask(pool)) for _ in range(4)]
+        while pool.in_flight() < 4:
+            await asyncio.sleep(0)
+        assert [s.in_flight for s in pool.servers] == [2, 2]
+        gate.set()
+        assert sorted(await asyncio.gather(*calls)) == ["a", "a", "b", "b"]
+        await pool.aclose()
+
+    asyncio.run(main())
+
+
+def test_all_servers_down_waits_instead_of_dropping(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        a = FakeServer("a", down=True)
+        pool = pool_of([a], max_retries=1, log_every_s=0.01)
+        call = asyncio.create_task(ask(pool))
+        while not pool.servers[0].dead:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+        assert not call.done()  # waiting, not failed
+        a.down = False
+        assert await asyncio.wait_for(call, 5) == "a"
+        await pool.aclose()
+
+    with caplog.at_level(logging.WARNING, logger="stream_rl.stages.routing"):
+        asyncio.run(main())
+    assert "all 1 inference servers are down" in caplog.text
+
+
+def test_a_request_the_servers_keep_rejecting_is_given_up() -> None:
+    async def main() -> None:
+        a = FakeServer("a", reject={"2+3="})
+        pool = pool_of([a], max_retries=2, cap=8)
+
+        async def good(i: int) -> None:
+            async def call(server: Server) -> None:
+                await server.client.complete([{"role": "user", "content": "1+1="}], SamplingConfig())
+
+            for _ in range(50):
+                await pool.call(call, f"good{i}")
+                await asyncio.sleep(0.002)
+
+        others = asyncio.gather(*(good(i) for i in range(2)))
+        with pytest.raises(RequestRejected, match="servers otherwise healthy"):
+            await ask(pool, "bad")
+        await others  # the good requests all succeeded meanwhile
+        assert 3 <= a.failures <= 6  # max_retries + 1 strikes (a few more while the server looked dead)
+        await pool.aclose()
+
+    asyncio.run(main())
+
+
+def test_non_server_errors_are_strikes_and_give_up_after_max_retries() -> None:
+    async def main() -> None:
+        pool = pool_of([FakeServer("a")], max_retries=3)
+        attempts = 0
+
+        async def call(server: Server) -> None:
+            nonlocal attempts
+            attempts += 1
+            raise TaskError("template breaks the prefix property")
+
+        with pytest.raises(RequestRejected, match="template"):
+            await pool.call(call, "r")
+        assert attempts == 4 and not pool.servers[0].dead
+        await pool.aclose()
+
+    asyncio.run(main())
+
+
+def test_backoff_doubles_up_to_the_cap() -> None:
+    pool = pool_of([FakeServer("a")], backoff_s=0.1, backoff_max_s=0.5)
+    assert [pool.backoff(i) for i in (1, 2, 3, 4)] == [0.1, 0.2, 0.4, 0.5]
