@@ -27,29 +27,24 @@ again after a restart; training them as a short step would cut steps differently
 uninterrupted run), the last completed step is checkpointed and its offsets committed.
 
 Run alone: `stream-rl trainer --config run.yaml [--max-steps N] [--idle-timeout S] [--metrics-port P]`.
-For `replay trainer` the first start records `runs/<run>/trainer/record/config.yaml` (the resolved
-config) and `record/init.json` (initial weights' checksum, model path, seed, library versions);
-later starts leave them as they are (the launcher's `trainer/config.yaml` is rewritten per launch).
+For `replay trainer` the first start writes the run record (`stream_rl.train.record`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import subprocess
 import time
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 
-from stream_rl.config import RunConfig, dump_config, load_config
+from stream_rl.config import RunConfig, load_config
 from stream_rl.contracts import PartitionOffset, TrainingBatch, WeightVersion, WeightVersionKind
 from stream_rl.errors import ConfigError, ContractError, WeightSyncError
 from stream_rl.kafka.serde import Serde, default_serde
 from stream_rl.kafka.stage import StopFlag, dlq_headers
 from stream_rl.kafka.topics import TRAINING_BATCHES, WEIGHT_VERSIONS, TopicNames
-from stream_rl.kafka.transport import Consumer, Message, Transport
+from stream_rl.kafka.transport import Consumer, Message, Producer, Transport
 from stream_rl.metrics import DLQ, RECORDS_IN, UP, serve_metrics
 from stream_rl.train import metrics as tm
 from stream_rl.train.accounting import StepRunner, unusable_reason
@@ -64,7 +59,8 @@ from stream_rl.train.checkpoint import (
 )
 from stream_rl.train.lineage import by_version, read_weight_versions
 from stream_rl.train.push import PushOutcome, WeightPusher, connect_servers, make_sender, server_urls
-from stream_rl.train.step import build_trainer
+from stream_rl.train.record import write_run_record
+from stream_rl.train.step import TrainerBackend, build_trainer
 
 log = logging.getLogger(__name__)
 
@@ -89,16 +85,6 @@ class TrainerStats:
     stopped_by: str = ""
 
 
-def code_revision() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
-
-
 class TrainerStage:
     """One trainer process; `run()` trains until stopped. See the module docstring."""
 
@@ -121,13 +107,14 @@ class TrainerStage:
         self.pusher = pusher if pusher is not None else make_sender(config)
         self.stop = stop if stop is not None else StopFlag()
         self.serde = serde or default_serde()
-        self.run_dir = config.run_dir / "trainer"
         self.ckpt_dir = checkpoint_root(config)
         self.stats = TrainerStats()
         self.bucket_bytes = int(self.tcfg.bucket_mb * 2**20)
         self._last_connect = 0.0
         self._checkpointed_step = -1
         self._last_step_end = time.monotonic()
+        self.trainer: TrainerBackend  # set by _load()
+        self.producer: Producer  # set by run()
 
     # -- start -------------------------------------------------------------------------------
 
@@ -136,7 +123,7 @@ class TrainerStage:
         self.trainer = build_trainer(self.config, ckpt / "model" if ckpt else None)
         if ckpt is None:
             self.state = TrainerState(checksum=self.trainer.checksum())
-            self._record_run()
+            write_run_record(self.config, self.state.checksum)
             return
         self.state = read_state(ckpt)
         self.trainer.load_from(ckpt)
@@ -145,29 +132,6 @@ class TrainerStage:
             raise CheckpointError(f"{ckpt}: weights do not match the checksum recorded with them")
         self._checkpointed_step = self.state.step
         log.info("resuming from %s (version %d)", ckpt, self.state.version)
-
-    def _record_run(self) -> None:
-        """What `replay trainer` needs: the resolved config and the initial weights' identity."""
-        import torch
-        import transformers
-
-        record_dir = self.run_dir / "record"
-        record_dir.mkdir(parents=True, exist_ok=True)
-        if not (record_dir / "config.yaml").exists():
-            (record_dir / "config.yaml").write_text(dump_config(self.config))
-        if not (record_dir / "init.json").exists():
-            record = {
-                "run": self.config.run,
-                "model_path": str(Path(self.config.model.path).resolve()),
-                "checksum": self.state.checksum,
-                "seed": self.tcfg.seed,
-                "deterministic": self.tcfg.deterministic,
-                "torch_threads": self.tcfg.torch_threads,
-                "torch": torch.__version__,
-                "transformers": transformers.__version__,
-                "code_revision": code_revision(),
-            }
-            (record_dir / "init.json").write_text(json.dumps(record, indent=1) + "\n")
 
     # -- weights out -------------------------------------------------------------------------
 
@@ -311,13 +275,15 @@ class TrainerStage:
         """Train until stopped, the version reaches `max_steps` (default `trainer.max_steps`),
         or `idle_timeout_s` passes without input."""
         target = min(max_steps, self.tcfg.max_steps) if max_steps is not None else self.tcfg.max_steps
-        self._load()
-        self.history = by_version(read_weight_versions(self.transport, self.names, self.serde))
-        self.producer = self.transport.producer(f"{STAGE}-{self.config.run}")
-        consumer = self.transport.consumer(self.names.group(STAGE), STAGE)
-        UP.labels(STAGE).set(1)
+        consumer: Consumer | None = None
+        producer: Producer | None = None
         clean = False
+        UP.labels(STAGE).set(1)
         try:
+            self._load()
+            self.history = by_version(read_weight_versions(self.transport, self.names, self.serde))
+            self.producer = producer = self.transport.producer(f"{STAGE}-{self.config.run}")
+            consumer = self.transport.consumer(self.names.group(STAGE), STAGE)
             if self.pusher is not None:
                 connect_servers(self.pusher, self.tcfg.connect_timeout_s, self.stop)
                 self._last_connect = time.monotonic()
@@ -338,11 +304,10 @@ class TrainerStage:
                     self._checkpoint(consumer)
             finally:
                 UP.labels(STAGE).set(0)
-                self.trainer.close()
-                consumer.close()
-                self.producer.close()
-                if self.pusher is not None:
-                    self.pusher.close()
+                trainer: TrainerBackend | None = getattr(self, "trainer", None)
+                for closer in (trainer, consumer, producer, self.pusher):
+                    if closer is not None:
+                        closer.close()  # DeepSpeed: releases the other ranks
         self.stats.version = self.state.version
         self.stats.checksum = self.state.checksum
         return self.stats

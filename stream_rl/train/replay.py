@@ -19,7 +19,6 @@ import argparse
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from stream_rl.config import RunConfig, load_config
 from stream_rl.contracts import TrainingBatch
@@ -30,6 +29,7 @@ from stream_rl.kafka.topics import TRAINING_BATCHES, TopicNames
 from stream_rl.kafka.transport import Message, TopicPartition, Transport
 from stream_rl.train.accounting import StepRunner, unusable_reason
 from stream_rl.train.lineage import by_version, read_weight_versions
+from stream_rl.train.record import recorded_config_path
 from stream_rl.train.step import build_trainer
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ def main(args: argparse.Namespace) -> int:
     from stream_rl.kafka.broker import resolve_bootstrap
     from stream_rl.kafka.client import KafkaTransport
 
-    recorded = Path(args.runs_dir) / args.run / "trainer" / "record" / "config.yaml"
+    recorded = recorded_config_path(args.runs_dir, args.run)
     if args.config is None and not recorded.is_file():
         raise ConfigError(f"{recorded} not found: pass --config (the run's config) or --runs-dir")
     config = load_config(args.config or recorded, args.overrides)
