@@ -221,12 +221,28 @@ class TrainerConfig(Model):
     """A server that has not installed a version within this is taken out of routing."""
     backend: Literal["torch", "deepspeed"] = "torch"
     """Trainer backend: plain torch (CPU or one GPU) or DeepSpeed ZeRO (GPU, unverified here)."""
+    zero_stage: Literal[2, 3] = 3
+    """ZeRO stage of the deepspeed backend (2: optimizer state and gradients partitioned;
+    3: parameters too)."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Trainer device."""
     torch_threads: int = Field(1, ge=1)
     """torch intra-op threads of the trainer process."""
-    sync_master_port: int = Field(29500, ge=1, le=65535)
-    """TCP store port of the weight-sync group (trainer is rank 0)."""
+    sync_master_port: int = Field(29500, ge=0, le=65535)
+    """First TCP store port of the weight-sync groups (trainer is rank 0; one group per server
+    takes the first free port from here up). 0 = any free port."""
+    sync_master_addr: str = "127.0.0.1"
+    """Address the inference servers use to reach the trainer's weight-sync store."""
+    connect_timeout_s: float = Field(120.0, gt=0)
+    """At start, keep asking the inference servers to join for this long (they may still be loading)."""
+    pack_row_tokens: int = Field(512, ge=16)
+    """Target row length when packing a micro-batch (rows are balanced and padded to the longest;
+    a longer sample sets the length). Attention cost is quadratic in the row length, padding
+    shrinks as rows grow: `bench/trainer.py` measures both."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Checkpoints kept on disk (the oldest are deleted after a new one is durable)."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Serve Prometheus `/metrics` on this port (0 = any free port; None = off)."""
 
 
 class LauncherConfig(Model):

@@ -1,0 +1,406 @@
+"""The trainer stage: `training-batches` in; optimizer steps, weight broadcasts, `weight-versions` out.
+
+Consumes `training-batches` with the group `trainer`, assigned explicitly at its checkpoint's
+offsets (the topic has one partition: one trainer reads every micro-batch, in order; that order
+is what makes replays bit-exact). Produces one `WeightVersion` per version on `weight-versions`,
+checkpoints, and weight broadcasts to every inference server. Not a `StageLoop`: offsets are
+committed after checkpoints, not after each batch.
+
+Per step: micro-batches are trained as they arrive (gradients accumulate) until the samples
+consumed, trained plus the preprocessor's `num_filtered`, reach `trainer.samples_per_step`.
+Micro-batches are never split, so a step may exceed the target by less than one micro-batch;
+the loss is divided by the sequences actually trained in the step. Then: one AdamW step,
+`version += 1`, push to every server (a failing server is reported and dropped, the run goes on),
+checkpoint when due, publish the `WeightVersion`, and only after a durable checkpoint commit the
+consumed offsets. Undecodable or unusable micro-batches go to `training-batches.dlq`.
+
+Start: resume from the latest checkpoint if there is one (weights, optimizer, schedule, RNG,
+counters, offsets), else the model at `model.path` as version 0. Broadcast that version to every
+server, then publish it (version 0 with kind `init`) unless the lineage already holds it. After a
+restart the steps after the checkpoint are re-trained from the same offsets; training is
+deterministic, so versions already in the lineage are verified by checksum instead of published
+twice. A mismatch is logged as an error, counted, and published (the servers hold those weights).
+
+Stop (SIGTERM, `--max-steps`, `--idle-timeout`, or `trainer.max_steps`, whose version is
+published with kind `final`): the step being filled is abandoned (its micro-batches are consumed
+again after a restart; training them as a short step would cut steps differently from an
+uninterrupted run), the last completed step is checkpointed and its offsets committed.
+
+Run alone: `stream-rl trainer --config run.yaml [--max-steps N] [--idle-timeout S] [--metrics-port P]`.
+For `replay trainer` the first start writes the run record (`stream_rl.train.record`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from stream_rl.config import RunConfig, load_config
+from stream_rl.contracts import PartitionOffset, TrainingBatch, WeightVersion, WeightVersionKind
+from stream_rl.errors import ConfigError, ContractError, WeightSyncError
+from stream_rl.kafka.serde import Serde, default_serde
+from stream_rl.kafka.stage import StopFlag, dlq_headers
+from stream_rl.kafka.topics import TRAINING_BATCHES, WEIGHT_VERSIONS, TopicNames
+from stream_rl.kafka.transport import Consumer, Message, Producer, Transport
+from stream_rl.metrics import DLQ, RECORDS_IN, UP, serve_metrics
+from stream_rl.train import metrics as tm
+from stream_rl.train.accounting import StepRunner, unusable_reason
+from stream_rl.train.checkpoint import (
+    CheckpointError,
+    TrainerState,
+    checkpoint_root,
+    latest_checkpoint,
+    read_state,
+    restore_rng,
+    save_checkpoint,
+)
+from stream_rl.train.lineage import by_version, read_weight_versions
+from stream_rl.train.push import PushOutcome, WeightPusher, connect_servers, make_sender, server_urls
+from stream_rl.train.record import write_run_record
+from stream_rl.train.step import TrainerBackend, build_trainer
+
+log = logging.getLogger(__name__)
+
+STAGE = "trainer"
+CONSUMES = TRAINING_BATCHES
+PRODUCES = (WEIGHT_VERSIONS,)
+RECONNECT_EVERY_S = 30.0
+
+
+@dataclass
+class TrainerStats:
+    version: int = 0
+    steps: int = 0
+    """Optimizer steps taken by this process (re-trained ones included)."""
+    micro_batches: int = 0
+    dlq: int = 0
+    published: int = 0
+    verified: int = 0
+    """Re-trained versions found in the lineage with the same checksum (not published again)."""
+    mismatches: int = 0
+    checksum: str = ""
+    stopped_by: str = ""
+
+
+class TrainerStage:
+    """One trainer process; `run()` trains until stopped. See the module docstring."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        transport: Transport,
+        *,
+        pusher: WeightPusher | None = None,
+        stop: StopFlag | None = None,
+        serde: Serde | None = None,
+    ) -> None:
+        self.config = config
+        self.tcfg = config.trainer
+        self.transport = transport
+        self.names = TopicNames(run=config.run, prefix=config.kafka.prefix)
+        self.input_topic = self.names.topic(TRAINING_BATCHES)
+        self.dlq_topic = self.names.dlq(TRAINING_BATCHES)
+        self.out_topic = self.names.topic(WEIGHT_VERSIONS)
+        self.pusher = pusher if pusher is not None else make_sender(config)
+        self.stop = stop if stop is not None else StopFlag()
+        self.serde = serde or default_serde()
+        self.ckpt_dir = checkpoint_root(config)
+        self.stats = TrainerStats()
+        self.bucket_bytes = int(self.tcfg.bucket_mb * 2**20)
+        self._last_connect = 0.0
+        self._checkpointed_step = -1
+        self._last_step_end = time.monotonic()
+        self.trainer: TrainerBackend  # set by _load()
+        self.producer: Producer  # set by run()
+
+    # -- start -------------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        ckpt = latest_checkpoint(self.ckpt_dir)
+        self.trainer = build_trainer(self.config, ckpt / "model" if ckpt else None)
+        if ckpt is None:
+            self.state = TrainerState(checksum=self.trainer.checksum())
+            write_run_record(self.config, self.state.checksum)
+            return
+        self.state = read_state(ckpt)
+        self.trainer.load_from(ckpt)
+        restore_rng(ckpt)
+        if self.trainer.checksum() != self.state.checksum:
+            raise CheckpointError(f"{ckpt}: weights do not match the checksum recorded with them")
+        self._checkpointed_step = self.state.step
+        log.info("resuming from %s (version %d)", ckpt, self.state.version)
+
+    # -- weights out -------------------------------------------------------------------------
+
+    def _sync(self, version: int) -> tuple[str, PushOutcome | None]:
+        """The weights' checksum, and the push of `version` to the servers (gathered once)."""
+        from stream_rl.weights.checksum import weights_checksum
+
+        if self.pusher is not None:
+            expected = len(server_urls(self.config))
+            now = time.monotonic()
+            if len(self.pusher.live_servers) < expected and now - self._last_connect >= RECONNECT_EVERY_S:
+                self._last_connect = now
+                try:
+                    self.pusher.connect()
+                except WeightSyncError as exc:
+                    log.warning("re-joining dropped servers failed: %s", exc)
+        with self.trainer.full_weights() as named:
+            checksum = weights_checksum(named)
+            report = None if self.pusher is None else self.pusher.push(version, named, self.bucket_bytes)
+        for url, why in (report.failed if report else {}).items():
+            log.warning("server %s dropped at version %d: %s", url, version, why)
+            tm.SERVER_FAILURES.inc()
+        return checksum, report
+
+    def _publish(
+        self,
+        kind: WeightVersionKind,
+        report: PushOutcome | None,
+        metrics: dict[str, float],
+        checkpoint_uri: str | None = None,
+    ) -> None:
+        st = self.state
+        wv = WeightVersion(
+            run_id=self.config.run,
+            version=st.version,
+            step=st.step,
+            kind=kind,
+            samples_trained=st.samples_trained,
+            tokens_trained=st.tokens_trained,
+            samples_filtered=st.samples_filtered,
+            checksum=st.checksum,
+            consumed_offsets=[PartitionOffset(t, p, o) for (t, p), o in sorted(st.offsets.items())],
+            broadcast_ms=report.broadcast_ms if report else 0.0,
+            servers_updated=sorted(report.updated) if report else [],
+            servers_failed=sorted(report.failed) if report else [],
+            checkpoint_uri=checkpoint_uri,
+            metrics=metrics,
+        )
+        known = self.history.get(st.version)
+        if known is not None:
+            if known.checksum == wv.checksum:
+                self.stats.verified += 1
+                return
+            log.error(
+                "version %d re-trained with checksum %s, but the lineage has %s: training was not "
+                "deterministic (threads, library versions, or batches changed); publishing the new one",
+                st.version,
+                wv.checksum[:16],
+                known.checksum[:16],
+            )
+            tm.CHECKSUM_MISMATCH.inc()
+            self.stats.mismatches += 1
+            wv.metrics["checksum_mismatch"] = 1.0
+        self.producer.produce(self.out_topic, self.serde.encode(wv), key=self.config.run)
+        self.producer.flush()
+        self.history.setdefault(st.version, wv)
+        self.stats.published += 1
+
+    def _checkpoint(self, consumer: Consumer | None) -> str:
+        path = save_checkpoint(
+            self.ckpt_dir, self.trainer.save_to, self.state, keep=self.tcfg.keep_checkpoints
+        )
+        self._checkpointed_step = self.state.step
+        tm.CHECKPOINTS.inc()
+        if consumer is not None and self.state.offsets:
+            consumer.commit(dict(self.state.offsets))  # only now: the checkpoint is durable
+        return path.resolve().as_uri()
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def _finish_step(self, runner: StepRunner, consumer: Consumer) -> None:
+        summary = runner.finish()
+        acc, st, tcfg = summary.acc, self.state, self.tcfg
+        st.version += 1
+        st.step += 1
+        st.samples_trained += acc.samples_trained
+        st.tokens_trained += acc.tokens
+        st.samples_filtered += acc.samples_filtered
+        st.offsets.update(acc.offsets)
+        st.checksum, report = self._sync(st.version)
+        final = st.version >= tcfg.max_steps
+        uri = None
+        started = time.monotonic()
+        if final or (tcfg.checkpoint_every and st.step % tcfg.checkpoint_every == 0):
+            uri = self._checkpoint(None)
+        now = time.monotonic()
+        metrics = dict(summary.metrics)
+        step_s = now - self._last_step_end
+        metrics.update(
+            step_s=step_s,
+            wait_s=max(0.0, step_s - acc.compute_s),
+            samples_per_s=acc.consumed / step_s if step_s > 0 else 0.0,
+            broadcast_ms=report.broadcast_ms if report else 0.0,
+            checkpoint_ms=(now - started) * 1000 if uri else 0.0,
+        )
+        self._last_step_end = now
+        self._publish(WeightVersionKind.FINAL if final else WeightVersionKind.UPDATE, report, metrics, uri)
+        if uri is not None and st.offsets:
+            consumer.commit(dict(st.offsets))
+        tm.observe_step(st.version, metrics, acc.lags)
+        self.stats.steps += 1
+        log.info(
+            "version %d: %d samples, loss %.4f, grad_norm %.3f, lag %.2f, %.0f tok/s",
+            st.version,
+            acc.samples_trained,
+            metrics.get("loss", 0.0),
+            metrics["grad_norm"],
+            metrics.get("version_lag_mean", 0.0),
+            metrics["tokens_per_s"],
+        )
+
+    def _usable(self, msg: Message) -> TrainingBatch | str:
+        """The decoded batch, or why it goes to the DLQ."""
+        try:
+            batch = self.serde.decode(msg.value, TrainingBatch)
+        except ContractError as exc:
+            return str(exc)
+        reason = unusable_reason(batch, self.trainer.vocab_size)
+        return batch if reason is None else reason
+
+    def _to_dlq(self, msg: Message, error: str) -> None:
+        log.warning("training-batches@%d to DLQ: %s", msg.offset, error)
+        self.producer.produce(self.dlq_topic, msg.value, key=msg.key, headers=dlq_headers(msg, STAGE, error))
+        self.producer.flush()
+        DLQ.labels(STAGE, msg.topic).inc()
+        self.stats.dlq += 1
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def run(self, max_steps: int | None = None, idle_timeout_s: float | None = None) -> TrainerStats:
+        """Train until stopped, the version reaches `max_steps` (default `trainer.max_steps`),
+        or `idle_timeout_s` passes without input."""
+        target = min(max_steps, self.tcfg.max_steps) if max_steps is not None else self.tcfg.max_steps
+        consumer: Consumer | None = None
+        producer: Producer | None = None
+        clean = False
+        UP.labels(STAGE).set(1)
+        try:
+            self._load()
+            self.history = by_version(read_weight_versions(self.transport, self.names, self.serde))
+            self.producer = producer = self.transport.producer(f"{STAGE}-{self.config.run}")
+            consumer = self.transport.consumer(self.names.group(STAGE), STAGE)
+            if self.pusher is not None:
+                connect_servers(self.pusher, self.tcfg.connect_timeout_s, self.stop)
+                self._last_connect = time.monotonic()
+            kind = WeightVersionKind.INIT if self.state.version == 0 else WeightVersionKind.UPDATE
+            if self.state.version >= self.tcfg.max_steps:
+                kind = WeightVersionKind.FINAL
+            self._publish(kind, self._sync(self.state.version)[1], {})
+            tm.VERSION.set(self.state.version)
+            parts = sorted(self.transport.watermarks(self.input_topic))
+            consumer.assign(
+                {(self.input_topic, p): self.state.offsets.get((self.input_topic, p), 0) for p in parts}
+            )
+            self._loop(consumer, target, idle_timeout_s)
+            clean = True
+        finally:
+            try:
+                if clean and self.state.step > 0 and self._checkpointed_step != self.state.step:
+                    self._checkpoint(consumer)
+            finally:
+                UP.labels(STAGE).set(0)
+                trainer: TrainerBackend | None = getattr(self, "trainer", None)
+                for closer in (trainer, consumer, producer, self.pusher):
+                    if closer is not None:
+                        closer.close()  # DeepSpeed: releases the other ranks
+        self.stats.version = self.state.version
+        self.stats.checksum = self.state.checksum
+        return self.stats
+
+    def _loop(self, consumer: Consumer, target: int, idle_timeout_s: float | None) -> None:
+        runner = StepRunner(self.trainer)
+        buffer: deque[Message] = deque()
+        last_input = time.monotonic()
+        while True:
+            if self.stop:
+                self.stats.stopped_by = self.stop.reason or "stopped"
+                return
+            if self.state.version >= target:
+                self.stats.stopped_by = "max_steps"
+                return
+            if not buffer:
+                msgs = consumer.poll_batch(64, 0.2)
+                if not msgs:
+                    if idle_timeout_s is not None and time.monotonic() - last_input >= idle_timeout_s:
+                        self.stats.stopped_by = "idle_timeout"
+                        return
+                    continue
+                buffer.extend(msgs)
+                last_input = time.monotonic()
+            msg = buffer.popleft()
+            RECORDS_IN.labels(STAGE, msg.topic).inc()
+            batch = self._usable(msg)
+            if isinstance(batch, str):
+                self._to_dlq(msg, batch)
+            else:
+                runner.add(batch, self.state.version)
+                self.stats.micro_batches += 1
+            runner.note_offset(msg.tp, msg.offset + 1)
+            if runner.acc.consumed >= self.tcfg.samples_per_step:
+                self._finish_step(runner, consumer)
+
+
+def run(
+    config: RunConfig,
+    transport: Transport | None = None,
+    *,
+    pusher: WeightPusher | None = None,
+    stop: StopFlag | None = None,
+    max_steps: int | None = None,
+    idle_timeout_s: float | None = None,
+) -> TrainerStats:
+    """Run the trainer stage (see the module docstring). `transport` defaults to Kafka at the
+    configured bootstrap, `pusher` to a `WeightSender` for the configured servers."""
+    from stream_rl.stages.entry import open_transport
+
+    stage = TrainerStage(config, open_transport(config, transport), pusher=pusher, stop=stop)
+    return stage.run(max_steps=max_steps, idle_timeout_s=idle_timeout_s)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from stream_rl.cli import add_common
+
+    add_common(parser)
+    parser.add_argument("--max-steps", type=int, default=None, help="stop once the version reaches N")
+    parser.add_argument("--idle-timeout", type=float, default=None, help="stop after S seconds without input")
+    parser.add_argument(
+        "--metrics-port", type=int, default=None, help="serve /metrics here (default trainer.metrics_port)"
+    )
+    parser.add_argument(
+        "--instance", type=int, default=0, help="instance index (one trainer per run: only 0 is valid)"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    from stream_rl.kafka.broker import resolve_bootstrap
+    from stream_rl.kafka.client import KafkaTransport
+
+    config = load_config(args.config, args.overrides)
+    if args.instance != 0:
+        raise ConfigError(
+            "one trainer per run: --instance must be 0 (ranks come from the distributed launcher)"
+        )
+    if config.trainer.backend == "deepspeed":
+        from stream_rl.train import deepspeed_backend
+
+        deepspeed_backend.init_distributed(config.trainer.device)
+        if deepspeed_backend.is_follower():
+            deepspeed_backend.follow(config)
+            return 0
+    transport = KafkaTransport(resolve_bootstrap(args.bootstrap, config.kafka.bootstrap))
+    port = args.metrics_port if args.metrics_port is not None else config.trainer.metrics_port
+    if port is not None:
+        log.info("metrics on http://127.0.0.1:%d/metrics", serve_metrics(port))
+    stop = StopFlag()
+    stop.install_signal_handlers()
+    stats = run(config, transport, stop=stop, max_steps=args.max_steps, idle_timeout_s=args.idle_timeout)
+    print(
+        f"trainer stopped ({stats.stopped_by}): version {stats.version}, {stats.steps} steps, "
+        f"{stats.micro_batches} micro-batches, {stats.dlq} to DLQ, checksum {stats.checksum[:16]}"
+    )
+    return 0

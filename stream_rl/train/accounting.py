@@ -1,0 +1,149 @@
+"""One optimizer step's worth of micro-batches: training them and accounting for them.
+
+`StepRunner.add(batch, version)` trains a micro-batch's samples (forward/backward, gradients
+accumulate) and counts it; `consumed` (samples trained + filtered) tells the caller when the
+step is full; `finish()` takes the optimizer step and returns the step's numbers. The trainer
+stage and `replay trainer` both cut steps with it, so a replay trains exactly what the run did.
+
+Version lag of a sample: the version of the weights that score it (the trainer's current
+version) minus the oldest version that sampled any of its tokens (`version_lag_*`), and minus
+each token's version, averaged over tokens (`version_lag_token_mean`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from stream_rl.contracts import TrainingBatch, TrainingSample, token_versions
+from stream_rl.kafka.transport import TopicPartition
+from stream_rl.rl.stats import TokenStats
+from stream_rl.train.step import StepOutcome, TrainerBackend
+
+
+@dataclass
+class StepAccumulator:
+    samples_trained: int = 0
+    samples_filtered: int = 0
+    tokens: int = 0
+    """Tokens (prompt + completion) of the trained samples."""
+    micro_batches: int = 0
+    loss_sum: float = 0.0
+    stats: TokenStats = field(default_factory=TokenStats)
+    reward_sum: float = 0.0
+    lags: list[int] = field(default_factory=list)
+    """Per trained sample: version - min sampling version."""
+    lag_token_sum: int = 0
+    lag_tokens: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    compute_s: float = 0.0
+    offsets: dict[TopicPartition, int] = field(default_factory=dict)
+    """Next offsets to consume after this step's records (decoded or sent to the DLQ)."""
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def consumed(self) -> int:
+        """Samples taken off the stream in this step: trained or filtered by the preprocessor."""
+        return self.samples_trained + self.samples_filtered
+
+
+def sample_lag(sample: TrainingSample, version: int) -> tuple[int, int, int] | None:
+    """(lag from the oldest span, sum of per-token lags, tokens), None for an empty completion."""
+    if not sample.version_spans or sample.completion_len == 0:
+        return None
+    versions = token_versions(sample.version_spans, sample.completion_len)
+    oldest = min(sp.version for sp in sample.version_spans)
+    return version - oldest, sum(version - v for v in versions), len(versions)
+
+
+def unusable_reason(batch: TrainingBatch, vocab_size: int) -> str | None:
+    """Why a decoded batch cannot be trained (it goes to the DLQ), or None."""
+    for s in batch.samples:
+        if s.input_ids and (max(s.input_ids) >= vocab_size or min(s.input_ids) < 0):
+            return f"sample {s.rollout_id}: token id outside the model's vocabulary of {vocab_size}"
+    return None
+
+
+@dataclass
+class StepSummary:
+    acc: StepAccumulator
+    outcome: StepOutcome
+    metrics: dict[str, float]
+
+
+class StepRunner:
+    """Accumulates micro-batches into one optimizer step of a `PolicyTrainer`."""
+
+    def __init__(self, trainer: TrainerBackend) -> None:
+        self.trainer = trainer
+        self.acc = StepAccumulator()
+
+    def add(self, batch: TrainingBatch, version: int) -> list[int]:
+        """Train the batch's samples at weights `version`; returns their version lags."""
+        acc = self.acc
+        acc.samples_filtered += batch.num_filtered
+        if not batch.samples:
+            return []
+        started = time.perf_counter()
+        result = self.trainer.micro_batch(batch.samples)
+        acc.compute_s += time.perf_counter() - started
+        acc.micro_batches += 1
+        acc.samples_trained += len(batch.samples)
+        acc.tokens += batch.num_tokens
+        acc.loss_sum += result.loss
+        acc.stats = acc.stats + result.stats
+        acc.real_tokens += result.real_tokens
+        acc.padded_tokens += result.padded_tokens
+        lags = []
+        for s in batch.samples:
+            acc.reward_sum += s.reward
+            lag = sample_lag(s, version)
+            if lag is not None:
+                lags.append(lag[0])
+                acc.lag_token_sum += lag[1]
+                acc.lag_tokens += lag[2]
+        acc.lags.extend(lags)
+        return lags
+
+    def note_offset(self, tp: TopicPartition, next_offset: int) -> None:
+        self.acc.offsets[tp] = next_offset
+
+    def finish(self) -> StepSummary:
+        """The optimizer step over what was added; starts a new accumulation."""
+        acc = self.acc
+        started = time.perf_counter()
+        outcome = self.trainer.optimizer_step(acc.samples_trained)
+        acc.compute_s += time.perf_counter() - started
+        if outcome.stats is not None:  # a backend that trains at step time (DeepSpeed)
+            acc.stats = outcome.stats
+            acc.loss_sum = outcome.loss_sum or 0.0
+        self.acc = StepAccumulator()
+        return StepSummary(acc=acc, outcome=outcome, metrics=step_metrics(acc, outcome))
+
+
+def step_metrics(acc: StepAccumulator, outcome: StepOutcome) -> dict[str, float]:
+    """The step's numbers for `WeightVersion.metrics` and Prometheus (timings added by the stage)."""
+    n = acc.samples_trained
+    out: dict[str, float] = {
+        "samples": float(n),
+        "samples_filtered": float(acc.samples_filtered),
+        "micro_batches": float(acc.micro_batches),
+        "tokens_trained": float(acc.tokens),
+        "grad_norm": outcome.grad_norm,
+        "lr": outcome.lr,
+        "compute_s": acc.compute_s,
+        "tokens_per_s": acc.tokens / acc.compute_s if acc.compute_s > 0 else 0.0,
+    }
+    if n:
+        out["loss"] = acc.loss_sum / n
+        out["reward_mean"] = acc.reward_sum / n
+    if acc.padded_tokens:
+        out["pack_fill"] = acc.real_tokens / acc.padded_tokens
+    if acc.lags:
+        out["version_lag_mean"] = sum(acc.lags) / len(acc.lags)
+        out["version_lag_max"] = float(max(acc.lags))
+    if acc.lag_tokens:
+        out["version_lag_token_mean"] = acc.lag_token_sum / acc.lag_tokens
+    out.update(acc.stats.metrics())
+    return out

@@ -1,0 +1,39 @@
+"""Prometheus metrics of the trainer (served on `/metrics` with `trainer.metrics_port`).
+
+`stream_rl_trainer_step{metric=...}` mirrors the latest `WeightVersion.metrics` (loss, grad_norm,
+lr, reward_mean, version_lag_*, ratio_*, ess, entropy, tokens_per_s, step_s, broadcast_ms, ...);
+the counters and the per-sample version-lag histogram accumulate over the process's life.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from prometheus_client import Counter, Gauge, Histogram
+
+VERSION = Gauge("stream_rl_trainer_version", "Weight version the trainer holds")
+STEP = Gauge("stream_rl_trainer_step", "Numbers of the latest optimizer step", ["metric"])
+SAMPLES = Counter("stream_rl_trainer_samples", "Samples trained")
+FILTERED = Counter("stream_rl_trainer_samples_filtered", "Samples consumed without training (filtered)")
+TOKENS = Counter("stream_rl_trainer_tokens", "Tokens (prompt + completion) trained")
+VERSION_LAG = Histogram(
+    "stream_rl_trainer_version_lag",
+    "Per trained sample: trainer version - oldest version that sampled it",
+    buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+)
+SERVER_FAILURES = Counter("stream_rl_trainer_server_failures", "Servers dropped by a weight push")
+CHECKSUM_MISMATCH = Counter(
+    "stream_rl_trainer_checksum_mismatch", "Re-trained versions whose checksum differs from the lineage"
+)
+CHECKPOINTS = Counter("stream_rl_trainer_checkpoints", "Checkpoints written")
+
+
+def observe_step(version: int, metrics: Mapping[str, float], lags: Iterable[int]) -> None:
+    VERSION.set(version)
+    for name, value in metrics.items():
+        STEP.labels(name).set(value)
+    SAMPLES.inc(metrics.get("samples", 0.0))
+    FILTERED.inc(metrics.get("samples_filtered", 0.0))
+    TOKENS.inc(metrics.get("tokens_trained", 0.0))
+    for lag in lags:
+        VERSION_LAG.observe(lag)
