@@ -165,6 +165,10 @@ class PreprocessorConfig(Model):
     """Drop groups whose advantages are all zero (counted)."""
     max_tokens_per_microbatch: int = Field(4096, ge=16)
     """Token budget of one packed micro-batch."""
+    max_samples_per_microbatch: int = Field(8, ge=1)
+    """Samples per micro-batch at most. The trainer never splits a micro-batch, so a step trains
+    between `samples_per_step` and `samples_per_step + max_samples_per_microbatch - 1` samples;
+    small micro-batches keep steps near their size (the trainer packs its rows across them)."""
     group_timeout_s: float = Field(600.0, gt=0)
     """A group still incomplete after this long is written to the DLQ (counted), not waited on forever."""
     max_untrained_batches: int = Field(64, ge=1)

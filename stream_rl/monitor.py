@@ -73,8 +73,10 @@ class RunMonitor:
         """Record new versions, sample lag/offsets every few seconds, refresh the bar."""
         history = self._follower.history
         for wv in history[self._seen :]:
+            # The step's metrics first: the lineage fields (cumulative counters) win on a name clash.
             self._write(
                 {
+                    **wv.metrics,
                     "kind": "version",
                     "version": wv.version,
                     "step": wv.step,
@@ -85,7 +87,6 @@ class RunMonitor:
                     "broadcast_ms": wv.broadcast_ms,
                     "servers_failed": len(wv.servers_failed),
                     "created_ms": wv.created_ms,
-                    **wv.metrics,
                 }
             )
             if self._bar is not None and wv.step > self._bar.n:

@@ -1,7 +1,7 @@
 """Packing training samples into micro-batches (`TrainingBatch` records).
 
-- Whole samples only, at most `max_tokens` tokens (prompt + completion) per micro-batch, first-fit
-  decreasing (longest first, each into the first batch it fits; ties keep arrival order, so the
+- Whole samples only, at most `max_tokens` tokens (prompt + completion) and `max_samples` samples
+  per micro-batch, first-fit decreasing (longest first, each into the first batch it fits; ties keep arrival order, so the
   packing is deterministic). A sample longer than the budget travels alone.
 - Each encoded record stays under `max_bytes`: a pack whose encoding is larger is split in
   halves until it fits (a single sample that is still larger travels alone and is logged; the
@@ -23,15 +23,16 @@ from stream_rl.contracts import TrainingBatch, TrainingSample
 log = logging.getLogger(__name__)
 
 
-def first_fit_decreasing(sizes: list[int], budget: int) -> list[list[int]]:
-    """Indices grouped into bins of total size <= budget (an item over budget gets its own bin)."""
+def first_fit_decreasing(sizes: list[int], budget: int, max_items: int | None = None) -> list[list[int]]:
+    """Indices grouped into bins of total size <= budget and at most `max_items` items (an item
+    over budget gets its own bin)."""
     order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
     bins: list[list[int]] = []
     loads: list[int] = []
     for i in order:
         size = sizes[i]
         for b, load in enumerate(loads):
-            if load + size <= budget:
+            if load + size <= budget and (max_items is None or len(bins[b]) < max_items):
                 bins[b].append(i)
                 loads[b] += size
                 break
@@ -73,6 +74,7 @@ def pack(
     max_tokens: int,
     max_bytes: int,
     num_filtered: int,
+    max_samples: int | None = None,
     filtered_keys: list[str],
     encode: Callable[[TrainingBatch], bytes],
     run_id: str,
@@ -85,7 +87,7 @@ def pack(
         return TrainingBatch(batch_id=batch_id(ids), run_id=run_id, samples=part, producer_id=producer_id)
 
     out: list[tuple[TrainingBatch, bytes]] = []
-    for b in first_fit_decreasing([len(s.input_ids) for s in samples], max_tokens):
+    for b in first_fit_decreasing([len(s.input_ids) for s in samples], max_tokens, max_samples):
         out.extend(_fit([samples[i] for i in b], build, max_bytes, encode))
     if num_filtered:
         if not out:

@@ -204,6 +204,7 @@ class Preprocessor:
         for tb, data in pack(
             samples,
             max_tokens=self.cfg.max_tokens_per_microbatch,
+            max_samples=self.cfg.max_samples_per_microbatch,
             max_bytes=self.cfg.max_batch_bytes,
             num_filtered=filtered,
             filtered_keys=filtered_keys,

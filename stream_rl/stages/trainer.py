@@ -313,7 +313,7 @@ class TrainerStage:
         return self.stats
 
     def _loop(self, consumer: Consumer, target: int, idle_timeout_s: float | None) -> None:
-        runner = StepRunner(self.trainer)
+        runner = StepRunner(self.trainer, self.tcfg.pack_row_tokens)
         buffer: deque[Message] = deque()
         last_input = time.monotonic()
         while True:

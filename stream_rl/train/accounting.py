@@ -73,28 +73,29 @@ class StepSummary:
 
 
 class StepRunner:
-    """Accumulates micro-batches into one optimizer step of a `PolicyTrainer`."""
+    """Accumulates micro-batches into one optimizer step of a `TrainerBackend`.
 
-    def __init__(self, trainer: TrainerBackend) -> None:
+    Samples are buffered across micro-batches and trained (forward + backward) once
+    `flush_tokens` of them are pending, and at the end of the step: small micro-batches (which
+    keep steps close to `samples_per_step`) then cost no extra forward passes. The buffering is
+    deterministic, so a replay trains exactly the same rows."""
+
+    def __init__(self, trainer: TrainerBackend, flush_tokens: int = 512) -> None:
         self.trainer = trainer
+        self.flush_tokens = flush_tokens
         self.acc = StepAccumulator()
+        self._pending: list[TrainingSample] = []
+        self._pending_tokens = 0
 
     def add(self, batch: TrainingBatch, version: int) -> list[int]:
-        """Train the batch's samples at weights `version`; returns their version lags."""
+        """Account for the batch's samples (trained at weights `version`); returns their version lags."""
         acc = self.acc
         acc.samples_filtered += batch.num_filtered
         if not batch.samples:
             return []
-        started = time.perf_counter()
-        result = self.trainer.micro_batch(batch.samples)
-        acc.compute_s += time.perf_counter() - started
         acc.micro_batches += 1
         acc.samples_trained += len(batch.samples)
         acc.tokens += batch.num_tokens
-        acc.loss_sum += result.loss
-        acc.stats = acc.stats + result.stats
-        acc.real_tokens += result.real_tokens
-        acc.padded_tokens += result.padded_tokens
         lags = []
         for s in batch.samples:
             acc.reward_sum += s.reward
@@ -104,13 +105,32 @@ class StepRunner:
                 acc.lag_token_sum += lag[1]
                 acc.lag_tokens += lag[2]
         acc.lags.extend(lags)
+        self._pending.extend(batch.samples)
+        self._pending_tokens += batch.num_tokens
+        if self._pending_tokens >= self.flush_tokens:
+            self._train_pending()
         return lags
+
+    def _train_pending(self) -> None:
+        if not self._pending:
+            return
+        acc = self.acc
+        started = time.perf_counter()
+        result = self.trainer.micro_batch(self._pending)
+        acc.compute_s += time.perf_counter() - started
+        acc.loss_sum += result.loss
+        acc.stats = acc.stats + result.stats
+        acc.real_tokens += result.real_tokens
+        acc.padded_tokens += result.padded_tokens
+        self._pending = []
+        self._pending_tokens = 0
 
     def note_offset(self, tp: TopicPartition, next_offset: int) -> None:
         self.acc.offsets[tp] = next_offset
 
     def finish(self) -> StepSummary:
         """The optimizer step over what was added; starts a new accumulation."""
+        self._train_pending()
         acc = self.acc
         started = time.perf_counter()
         outcome = self.trainer.optimizer_step(acc.samples_trained)

@@ -2,7 +2,7 @@
 as the trainer stage on a real broker, stopped after two versions and resumed from its checkpoint: same lineage, losses and gradient norms as the torch
 backend, and the same weights up to rounding (ZeRO reduces in another order: not bit for bit).
 
-Needs `deepspeed` (the `gpu` extra, which CI does not install): skipped without it. DeepSpeed
+Needs `deepspeed` (a `dev` dependency, so CI runs this; a missing install fails, never skips). DeepSpeed
 0.19.8 runs on CPU with its CPU accelerator and gloo; its first use JIT-compiles a small shared
 memory op (ninja and a C++ compiler needed, cached in ~/.cache/torch_extensions). The `gpu`
 variant runs the same on CUDA with NCCL (never run here: no GPU)."""
@@ -26,7 +26,6 @@ from stream_rl.train.checkpoint import latest_checkpoint
 from stream_rl.train.lineage import read_weight_versions
 from stream_rl.train.testing import make_batches, make_tiny_model, produce_batches, stage_config
 
-pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]

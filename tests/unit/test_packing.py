@@ -106,3 +106,11 @@ def test_batches_are_split_to_stay_under_the_byte_limit() -> None:
         producer_id="p",
     )
     assert b.num_samples == 1 and len(data) > 100
+
+
+def test_first_fit_decreasing_caps_items_per_bin() -> None:
+    from stream_rl.stages.packing import first_fit_decreasing
+
+    bins = first_fit_decreasing([10] * 20, budget=1000, max_items=8)
+    assert [len(b) for b in bins] == [8, 8, 4]
+    assert sorted(i for b in bins for i in b) == list(range(20))
