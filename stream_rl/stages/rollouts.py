@@ -188,9 +188,9 @@ class ChatTokenizer:
         except OSError as exc:
             raise TaskError(f"cannot load the tokenizer of model.path={model_path!r}: {exc}") from exc
 
-    def render(self, messages: list[ChatMessage]) -> list[int]:
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         out: Any = self._tok.apply_chat_template(
-            [m.to_dict() for m in messages], add_generation_prompt=True, tokenize=True
+            [m.to_dict() for m in messages], add_generation_prompt=add_generation_prompt, tokenize=True
         )
         if isinstance(out, Mapping):  # transformers 5 may return a BatchEncoding
             out = out["input_ids"]
@@ -204,7 +204,8 @@ class TurnClient:
     """A `ModelClient` bound to ONE server's client for the whole multi-turn rollout."""
 
     def __init__(self, client: Any, tokenizer: Any, seed: int | None) -> None:
-        """`tokenizer`: `render(messages)` and `decode(ids)`, e.g. a `ChatTokenizer`."""
+        """`tokenizer`: `render(messages, add_generation_prompt=True)` and `decode(ids)`, e.g. a
+        `ChatTokenizer`."""
         self._client = client
         self._tokenizer = tokenizer
         self._seed = seed
@@ -223,8 +224,8 @@ class TurnClient:
             finish_reason=c.finish_reason,
         )
 
-    def render(self, messages: list[ChatMessage]) -> list[int]:
-        return self._tokenizer.render(messages)
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        return self._tokenizer.render(messages, add_generation_prompt=add_generation_prompt)
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids)

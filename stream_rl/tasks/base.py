@@ -14,7 +14,8 @@ pydantic model with unknown keys forbidden) into:
   the verdicts it produces itself (`error`, `timeout`).
 - `generate_rollout(client, problem, sampling) -> MultiTurnResult` for multi-turn tasks
   (`multi_turn = True`): the task drives the model through `ModelClient` and builds one token
-  sequence (see `stream_rl.tasks.sequence`).
+  sequence with `stream_rl.tasks.sequence.TurnSequence` (sampled tokens kept as sampled,
+  environment tokens from renders of the text conversation).
 
 Register a task class with `@register_task`; build one with `get_task(name, params,
 system_prompt)`. Bad params raise `ConfigError` naming `task.params.<key>`; an unknown name
@@ -103,8 +104,9 @@ class ModelClient(Protocol):
 
     async def complete(self, prompt_token_ids: list[int], sampling: SamplingConfig) -> Completion: ...
 
-    def render(self, messages: list[ChatMessage]) -> list[int]:
-        """Token ids of the chat template applied to `messages`, with the generation prompt."""
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the chat template applied to `messages` (their text), followed by the
+        generation prompt (e.g. `<|assistant|>`) unless `add_generation_prompt` is False."""
         ...
 
     def decode(self, token_ids: list[int]) -> str: ...

@@ -10,11 +10,13 @@ Problems: targets are the odd numbers of `1..max_number` for `split: train` and 
 for `split: test` (PipelineRL's split for 1024); `num_problems` draws that many with the run
 seed. Ids are `guessing-<split>-<target>`.
 
-The rollout (`generate_rollout`) is one token sequence (see `stream_rl.tasks.sequence`). When the
-game ends, the environment adds a closing message with a marker, `[game over: <outcome>, turn
-<k>]`: so the rollout's text carries the environment's result, and `score(problem, text)` (what
-the verifier stage calls) recomputes the same verdict and reward from the LAST marker, which only
-the environment can write (nothing the model says comes after it).
+The rollout (`generate_rollout`) is one token sequence (see `stream_rl.tasks.sequence`): the
+model's sampled tokens as sampled, the environment's messages rendered from the text
+conversation. When the game ends, the environment adds a closing message (with no generation
+prompt after it) with a marker, `[game over: <outcome>, turn <k>]`: so the rollout's text
+carries the environment's result, and `score(problem, text)` (what the verifier stage calls)
+recomputes the same verdict and reward from the LAST marker, which only the environment can
+write (nothing the model says comes after it).
 """
 
 from __future__ import annotations
@@ -128,8 +130,7 @@ class GuessingTask(Task):
                 f"guessing problem {problem.problem_id}: answer {problem.answer!r} is not a number"
             )
         target = int(problem.answer)
-        messages = list(problem.prompt)
-        seq = TurnSequence(client.render(messages))
+        seq = TurnSequence(client, list(problem.prompt))
         turn_texts: list[str] = []
         finish_reason = "stop"
         outcome: Outcome = "out_of_turns"
@@ -138,7 +139,6 @@ class GuessingTask(Task):
             seq.add_model_turn(completion)
             turn_texts.append(completion.text)
             finish_reason = completion.finish_reason
-            messages.append(ChatMessage("assistant", completion.text))
             guess = parse_guess(completion.text)
             if guess is None:
                 outcome = "no_answer"
@@ -147,10 +147,9 @@ class GuessingTask(Task):
                 outcome = "correct"
                 break
             if turn < self.params.max_turns:
-                messages.append(ChatMessage("user", feedback(guess, target)))
-                seq.add_environment_turn(client.render(messages))
-        messages.append(ChatMessage("user", closing_message(outcome, seq.turns, target)))
-        seq.add_environment_turn(client.render(messages))
+                seq.add_environment_turn([ChatMessage("user", feedback(guess, target))])
+        closing = ChatMessage("user", closing_message(outcome, seq.turns, target))
+        seq.add_environment_turn([closing], generation_prompt=False)  # the game ends there
         return MultiTurnResult(
             prompt_token_ids=seq.prompt_token_ids,
             completion_token_ids=seq.token_ids,

@@ -24,18 +24,20 @@ END = 3
 ROLE = {"system": 4, "user": 5, "assistant": 6}
 
 
-def render(messages: list[dict[str, str]] | list[ChatMessage]) -> list[int]:
+def render(
+    messages: list[dict[str, str]] | list[ChatMessage], add_generation_prompt: bool = True
+) -> list[int]:
     """The fake chat template: <role> content <END> per message, then <assistant>."""
     ids: list[int] = []
     for m in messages:
         role, content = (m["role"], m["content"]) if isinstance(m, dict) else (m.role, m.content)
         ids += [ROLE[role], *map(ord, content), END]
-    return ids + [ROLE["assistant"]]
+    return ids + [ROLE["assistant"]] if add_generation_prompt else ids
 
 
 class FakeTokenizer:
-    def render(self, messages: list[ChatMessage]) -> list[int]:
-        return render(messages)
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        return render(messages, add_generation_prompt)
 
     def decode(self, token_ids: list[int]) -> str:
         return "".join(chr(t) for t in token_ids if t > 31)

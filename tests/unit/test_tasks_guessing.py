@@ -20,15 +20,17 @@ NAMES = {1000: "<sys>", 1001: "<user>", 1002: "<asst>", END: "<end>"}
 class FakeTemplate:
     """Character-level 'tokenizer' with a chat template: <role> content <end> ..., then <asst>."""
 
-    def __init__(self, strip_assistant: bool = False) -> None:
-        self.strip_assistant = strip_assistant  # a template that rewrites earlier turns
+    def __init__(self, strip_assistant: bool = False, strip_past_replies: bool = False) -> None:
+        self.strip_assistant = strip_assistant  # normalises every reply the same way: consistent
+        self.strip_past_replies = strip_past_replies  # rewrites replies once a message follows them
 
-    def render(self, messages: list[ChatMessage]) -> list[int]:
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         ids: list[int] = []
-        for m in messages:
-            content = m.content.strip() if self.strip_assistant and m.role == "assistant" else m.content
-            ids += [ROLE[m.role], *map(ord, content), END]
-        return ids + [ROLE["assistant"]]
+        for i, m in enumerate(messages):
+            past = i < len(messages) - 1
+            strip = m.role == "assistant" and (self.strip_assistant or (self.strip_past_replies and past))
+            ids += [ROLE[m.role], *map(ord, m.content.strip() if strip else m.content), END]
+        return ids + [ROLE["assistant"]] if add_generation_prompt else ids
 
     def decode(self, token_ids: list[int]) -> str:
         return "".join(NAMES.get(t, chr(t)) if t >= 1000 else chr(t) for t in token_ids)
@@ -48,7 +50,8 @@ class ScriptedClient(FakeTemplate):
     async def complete(self, prompt_token_ids: list[int], sampling: SamplingConfig) -> Completion:
         self.prompts.append(list(prompt_token_ids))
         text, spans = self.script.pop(0)
-        token_ids = [*map(ord, text), END]  # the end-of-turn token is sampled too
+        # The end-of-turn token is sampled too, unless the reply was cut at max_tokens.
+        token_ids = [*map(ord, text)] + ([] if self.finish_reason == "length" else [END])
         logprobs = [-0.01 * (len(self.prompts) + i) for i in range(len(token_ids))]
         return Completion(list(prompt_token_ids), token_ids, logprobs, spans, text, self.finish_reason)
 
@@ -86,7 +89,8 @@ def test_correct_on_turn_three_builds_one_consistent_sequence():
         ChatMessage("assistant", script[2][0]),
         ChatMessage("user", "Correct, the number is 300. [game over: correct, turn 3]"),
     ]
-    assert r.prompt_token_ids + r.completion_token_ids == client.render(messages)
+    # (Every reply re-encodes to its own tokens here; the game ends without a generation prompt.)
+    assert r.prompt_token_ids + r.completion_token_ids == client.render(messages, add_generation_prompt=False)
     assert r.prompt_token_ids == client.render(list(problem.prompt))
     assert r.text == client.decode(r.completion_token_ids)
 
@@ -139,15 +143,44 @@ def test_score_of_the_text_matches_the_environment_even_against_spoofing():
     assert score_guessing("nothing here").verdict is Verdict.ERROR
 
 
-def test_length_finish_reason_is_reported():
-    *_, r = play([("<answer>300</answer>", v((0, 0)))], finish_reason="length")
+def test_a_reply_cut_at_max_tokens_gets_the_end_of_turn_token_from_the_environment():
+    script = [("<answer>512</answer>", v((0, 0))), ("<answer>300</answer>", v((0, 0)))]
+    _, problem, client, r = play(script, finish_reason="length")
     assert r.finish_reason == "length" and r.scored.verdict is Verdict.CORRECT
+    # No <end> was sampled: the template's closing <end> is an environment token (mask False).
+    first = len(script[0][0])
+    assert r.completion_token_ids[: first + 2] == [*map(ord, script[0][0]), END, ROLE["user"]]
+    assert r.completion_mask[: first + 2] == [True] * first + [False, False]
+    assert r.completion_mask.count(True) == sum(len(text) for text, _ in script)
+    assert END not in [t for t, m in zip(r.completion_token_ids, r.completion_mask, strict=True) if m]
+    # The sequence is still the rendered conversation, with no duplicated or missing <end>.
+    messages = [
+        *problem.prompt,
+        ChatMessage("assistant", script[0][0]),
+        ChatMessage("user", "512 is wrong: the number is lower. Guess again."),
+        ChatMessage("assistant", script[1][0]),
+        ChatMessage("user", "Correct, the number is 300. [game over: correct, turn 2]"),
+    ]
+    assert r.prompt_token_ids + r.completion_token_ids == client.render(messages, add_generation_prompt=False)
+
+
+def test_a_template_that_normalises_replies_keeps_the_sampled_tokens():
+    # The template strips replies, so the sampled spaces do not re-encode; both renders of the text
+    # agree, though, so the sequence keeps what the model sampled and saw.
+    script = [(" <answer>512</answer> ", v((0, 0))), ("<answer>300</answer>", v((0, 0)))]
+    *_, client, r = play(script, strip_assistant=True)
+    assert r.scored.verdict is Verdict.CORRECT and r.num_turns == 2
+    off = len(client.prompts[1]) - len(r.prompt_token_ids)
+    assert client.prompts[1] == r.prompt_token_ids + r.completion_token_ids[:off]
+    assert r.completion_token_ids[: len(script[0][0]) + 1] == [*map(ord, script[0][0]), END]
+    assert r.completion_mask.count(True) == sum(len(text) + 1 for text, _ in script)
 
 
 def test_template_that_rewrites_turns_is_a_clear_error():
     with pytest.raises(TaskError, match="prefix property after model turn 1"):
         play(
-            [(" <answer>512</answer> ", v((0, 0))), ("<answer>300</answer>", v((0, 0)))], strip_assistant=True
+            [(" <answer>512</answer> ", v((0, 0))), ("<answer>300</answer>", v((0, 0)))],
+            strip_past_replies=True,
         )
 
 
