@@ -113,7 +113,8 @@ def run_one(args: argparse.Namespace, mode: str, repeat: int, stamp: str, epochs
     started = time.time()
     with open(run_dir / "launcher.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-    probe = RunProbe(run_dir, proc.pid, broker_dir, every_s=args.probe_every)
+    pin = {args.pin_trainer_cpu} if args.pin_trainer_cpu is not None else None
+    probe = RunProbe(run_dir, proc.pid, broker_dir, every_s=args.probe_every, pin_trainer=pin)
     probe.start()
     try:
         rc = proc.wait()
@@ -169,6 +170,7 @@ def aggregate(runs: list[dict[str, Any]], target: float) -> dict[str, Any]:
         "time_to_target_s", "final_reward", "window_s", "trained_samples_per_s", "generated_samples_per_s",
         "generated_tokens_per_s", "trainer_busy", "trainer_broadcast", "inference_idle", "step_s_mean",
         "version_lag_mean", "version_lag_token_mean", "ess_mean", "samples_at_target", "other_work_cores",
+        "samples_per_cpu_s", "cpu_s_to_target",
     ]  # fmt: skip
     for mode in MODES:
         of = [r for r in runs if r["mode"] == mode and "error" not in r]
@@ -195,6 +197,10 @@ def aggregate(runs: list[dict[str, Any]], target: float) -> dict[str, Any]:
         "samples_to_target_pipeline_over_conventional": ratio(
             "pipeline", "conventional", "samples_at_target"
         ),
+        "cpu_s_to_target_conventional_over_pipeline": ratio("conventional", "pipeline", "cpu_s_to_target"),
+        "samples_per_cpu_s_pipeline_over_conventional": ratio(
+            "pipeline", "conventional", "samples_per_cpu_s"
+        ),
     }
     p = modes.get("pipeline", {})
     conv_over_pipe = ratios["time_to_target_conventional_over_pipeline"]
@@ -211,6 +217,7 @@ def print_tables(runs: list[dict[str, Any]], agg: dict[str, Any]) -> None:
     head = (
         f"{'mode':<21}{'rep':>4}{'to target s':>12}{'final R':>9}{'samples/s':>10}{'gen tok/s':>10}"
         f"{'trainer busy':>13}{'infer idle':>11}{'lag mean/max':>13}{'ESS mean/min':>14}{'window s':>9}"
+        f"{'samples/CPU-s':>14}{'CPU-s to tgt':>13}"
     )
     print("\n" + head + "\n" + "-" * len(head))
     for r in runs:
@@ -223,6 +230,7 @@ def print_tables(runs: list[dict[str, Any]], agg: dict[str, Any]) -> None:
             f"{fmt(r['trainer_busy']):>13}{fmt(r['inference_idle']):>11}"
             f"{fmt(r['version_lag_mean']) + '/' + fmt(r['version_lag_max'], '.0f'):>13}"
             f"{fmt(r['ess_mean'], '.3f') + '/' + fmt(r['ess_min'], '.2f'):>14}{fmt(r['window_s'], '.0f'):>9}"
+            f"{fmt(r.get('samples_per_cpu_s'), '.1f'):>14}{fmt(r.get('cpu_s_to_target'), '.0f'):>13}"
         )
     print("\nCPU cores used over the training window, per stage (and by other work on the machine):")
     roles = sorted({k for r in runs if "cpu_cores" in r for k in r["cpu_cores"]})
@@ -289,6 +297,13 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1, help="runs per mode (the order reverses each repeat)")
     ap.add_argument("--max-wall", type=float, default=3600.0, help="stop a run after this many seconds")
     ap.add_argument("--probe-every", type=float, default=1.0, help="probe sampling period (s)")
+    ap.add_argument(
+        "--pin-trainer-cpu",
+        type=int,
+        default=None,
+        metavar="CPU",
+        help="pin the trainer to this CPU and the run's other processes to the others (separate devices)",
+    )
     ap.add_argument("--runs-dir", default="runs")
     ap.add_argument("--name", default="pipeline_vs_conventional", help="bench/results/<name>.json|png")
     ap.add_argument(
@@ -326,6 +341,7 @@ def main() -> int:
             "target": args.target,
             "window": args.window,
             "loader_epochs": epochs,
+            "pin_trainer_cpu": args.pin_trainer_cpu,
             "load": {"before": load_before, "after": load_after},
             "runs": runs,
         }

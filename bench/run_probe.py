@@ -7,6 +7,9 @@ finished run into figures. Linux only (reads /proc).
   the verifier), plus the launcher itself and the Kafka broker;
 - the machine's busy CPU seconds (/proc/stat), so `machine - ours` is what other work took;
 - each inference server's `/metrics` counters: `busy_seconds` (engine working), generated tokens.
+With `pin_trainer` it also pins CPUs: every thread of the trainer's processes to those CPUs, every
+thread of the run's other processes to the remaining ones (generation and training then run on
+separate "devices", as in PipelineRL's GPU setup, in every mode alike).
 
 `analyze()` reads the run's timeline (`weight-versions` lineage, stage offsets) and the probe's
 samples and returns one flat dict of figures over the training window, from the publication of
@@ -73,7 +76,14 @@ def scrape_counters(url: str, timeout: float = 2.0) -> dict[str, float]:
 
 
 class RunProbe(threading.Thread):
-    def __init__(self, run_dir: Path, launcher_pid: int, broker_dir: Path, every_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        launcher_pid: int,
+        broker_dir: Path,
+        every_s: float = 1.0,
+        pin_trainer: set[int] | None = None,
+    ) -> None:
         """The launcher's children are found in `run_dir/processes.json`, the broker it starts in
         `broker_dir/broker.json`, once they exist."""
         super().__init__(name="run-probe", daemon=True)
@@ -85,6 +95,15 @@ class RunProbe(threading.Thread):
         self.servers: list[str] = []
         self._cpu: dict[int, tuple[str, float]] = {}  # pid -> (owner, last CPU seconds seen)
         self._have_children = False
+        self.pin: dict[str, set[int]] | None = None
+        if pin_trainer:
+            rest = os.sched_getaffinity(0) - pin_trainer
+            if not rest:
+                raise ValueError(
+                    f"pinning the trainer to CPUs {sorted(pin_trainer)} leaves none for the rest"
+                )
+            self.pin = {"trainer": set(pin_trainer), "other": rest}
+        self._pinned: set[int] = set()
         self._halt = threading.Event()
 
     def stop(self) -> None:
@@ -110,6 +129,18 @@ class RunProbe(threading.Thread):
         self.roots.update(info.get("pids", {}))
         self.servers = list(info.get("servers", []))
 
+    def _pin(self, pid: int, cpus: set[int]) -> None:
+        """Pin every thread of `pid` not pinned yet (threads it creates later inherit it)."""
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            return  # gone
+        for tid in tids:
+            if tid not in self._pinned:
+                with contextlib.suppress(OSError):  # the thread ended meanwhile
+                    os.sched_setaffinity(tid, cpus)
+                    self._pinned.add(tid)
+
     def sample(self) -> None:
         self._children()
         owners = {pid: name for name, pid in self.roots.items()}
@@ -124,6 +155,8 @@ class RunProbe(threading.Thread):
                 node, hops = parents[node], hops + 1
             if node in owners:
                 self._cpu[pid] = (owners[node], seconds)  # a process that ends keeps its last figure
+                if self.pin is not None and self._have_children:
+                    self._pin(pid, self.pin["trainer" if role_of(owners[node]) == "trainer" else "other"])
         per_owner: dict[str, float] = {}
         for owner, seconds in self._cpu.values():
             per_owner[role_of(owner)] = per_owner.get(role_of(owner), 0.0) + seconds
@@ -243,6 +276,14 @@ def analyze(
     roles = sorted({k for s in samples for k in s["cpu"]})
     cpu = {r: delta([(s["t"], s["cpu"].get(r, 0.0)) for s in samples], t0, end) for r in roles}
     out["cpu_cores"] = {r: round(v / span, 3) for r, v in cpu.items() if v is not None}
+    steps = len(updates)
+    out["cpu_s_per_step"] = {r: round(v / steps, 3) for r, v in cpu.items() if v is not None}
+    ours = [(s["t"], sum(s["cpu"].values())) for s in samples]
+    ours_window = delta(ours, t0, end)
+    # CPU-normalised figures: on a shared machine the wall time also depends on the share of the
+    # cores the run gets; its own CPU seconds do not.
+    out["samples_per_cpu_s"] = out["samples_trained"] / ours_window if ours_window else None
+    out["cpu_s_to_target"] = delta(ours, t0, t0 + reached) if reached is not None else None
     machine = delta([(s["t"], s["machine_s"]) for s in samples], t0, end)
     if machine is not None:
         out["machine_cores_busy"] = machine / span

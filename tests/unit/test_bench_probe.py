@@ -101,6 +101,8 @@ def test_analyze_figures_over_the_training_window(probe: ModuleType) -> None:
     assert r["version_lag_mean"] == 0.5 and r["version_lag_max"] == 2.0
     assert r["ess_min"] == pytest.approx(0.91) and r["ess_mean"] == pytest.approx(0.955)
     assert r["cpu_cores"] == {"actor": 0.5, "trainer": 0.125}
+    assert r["cpu_s_per_step"] == {"actor": 1.0, "trainer": 0.25}
+    assert r["samples_per_cpu_s"] == pytest.approx(640 / 12.5) and r["cpu_s_to_target"] == pytest.approx(6.25)
     assert r["machine_cores_busy"] == pytest.approx(1.5) and r["other_work_cores"] == pytest.approx(0.875)
     assert len(r["curve"]) == 10 and r["curve"][0] == {"t": 2.0, "version": 1, "samples": 64, "reward": 0.1}
 
