@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # One INFO line per HTTP request would dominate the actor's log (and its CPU).
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     parser, mod = command_parser(top.command)
     args = parser.parse_args(top.rest)
     runner = getattr(mod, f"main_{top.command.replace('-', '_')}", None) or mod.main  # type: ignore[attr-defined]

@@ -223,9 +223,14 @@ class Actor:
         self._wake.set()
 
     async def _group(self, msg: Message, problem: Problem, key: Key) -> None:
-        samples = [asyncio.create_task(self._sample(problem, i)) for i in range(self.cfg.group_size)]
+        samples: list[asyncio.Task[Rollout | list[Rollout]]]
+        if self.task.multi_turn:  # one conversation per sample, each on one server
+            samples = [asyncio.create_task(self._sample(problem, i)) for i in range(self.cfg.group_size)]
+        else:  # the whole group in one request (n = group_size)
+            samples = [asyncio.create_task(self._sample_group(problem))]
         try:
-            rollouts = await asyncio.gather(*samples)
+            results = await asyncio.gather(*samples)
+            rollouts = [r for res in results for r in (res if isinstance(res, list) else [res])]
         except RequestRejected as exc:
             for s in samples:
                 s.cancel()
@@ -245,7 +250,18 @@ class Actor:
         self._done.append(msg)
         self._wake.set()
 
-    async def _sample(self, problem: Problem, index: int) -> Rollout:
+    async def _sample_group(self, problem: Problem) -> Rollout | list[Rollout]:
+        group_id = Rollout.make_group_id(problem)
+        seed = sample_seed(self.config.seed, group_id) if self.cfg.seeded_sampling else None
+
+        async def call(server: Server) -> list[Rollout]:
+            return await self.sampler.sample_group(
+                server.client, server.url, problem, self.cfg.group_size, seed
+            )
+
+        return await self.pool.call(call, group_id)
+
+    async def _sample(self, problem: Problem, index: int) -> Rollout | list[Rollout]:
         rollout_id = Rollout.make_rollout_id(Rollout.make_group_id(problem), index)
         seed = sample_seed(self.config.seed, rollout_id) if self.cfg.seeded_sampling else None
 
