@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -294,6 +295,25 @@ class Launcher:
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> int:
+        try:
+            return self._run()
+        finally:
+            self._stop_broker()
+
+    def _stop_broker(self) -> None:
+        if self.broker is None or self.config.launcher.keep_broker:
+            return
+        gc.collect()  # the run's Kafka clients are gone before their broker (no reconnect noise)
+        self.broker.down(quiet=True)
+        print(
+            f"stopped the local Kafka broker; its data stays in {self.broker.data_dir} "
+            f"(`stream-rl kafka up --data-dir {self.config.kafka.data_dir} --port {self.config.kafka.port}` "
+            f"brings it back, e.g. to replay)",
+            file=sys.stderr,
+        )
+
+    def _run(self) -> int:
+        from stream_rl.metrics import serve_metrics
         from stream_rl.monitor import RunMonitor
 
         started = time.monotonic()
@@ -309,8 +329,6 @@ class Launcher:
             for child in self.children:
                 if child.role != "server":
                     self.spawn(child)
-            from stream_rl.metrics import serve_metrics
-
             self.write_ports(serve_metrics(0))
             monitor.start()
             max_wall = self.config.launcher.max_wall_s
@@ -331,14 +349,6 @@ class Launcher:
         finally:
             self.stop_all()
             monitor.close()
-            if self.broker is not None and not self.config.launcher.keep_broker:
-                self.broker.down(quiet=True)
-                print(
-                    f"stopped the local Kafka broker; its data stays in {self.broker.data_dir} "
-                    f"(`stream-rl kafka up --data-dir {self.config.kafka.data_dir} --port {self.config.kafka.port}` "
-                    f"brings it back, e.g. to replay)",
-                    file=sys.stderr,
-                )
             summary = monitor.finish(
                 wall_s=time.monotonic() - started,
                 exit_reason=self.exit_reason,
