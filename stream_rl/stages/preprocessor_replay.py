@@ -99,14 +99,19 @@ class PreprocessorReplaySummary:
 
 
 def replay_config(
-    source_config: str | Path, source: str, into: str, overrides: list[str], runs_dir: str | None = None
+    source_config: str | Path,
+    source: str,
+    into: str,
+    overrides: list[str],
+    runs_dir: str | Path | None = None,
 ) -> tuple[RunConfig, RunConfig]:
     """(R's config, R2's config) from R's recorded config file; see the module docstring."""
     if into == source:
         raise ConfigError(f"--into must name a new run, not the source run {source!r}")
     base = load_config(source_config)
-    extra = [f"runs_dir={runs_dir}"] if runs_dir is not None else []
-    target = load_config(source_config, [*OFFLINE, *extra, f"run={into}", *overrides])
+    # JSON-quoted: a YAML scalar that stays a string whatever the name looks like.
+    extra = [f"runs_dir={json.dumps(str(runs_dir))}"] if runs_dir is not None else []
+    target = load_config(source_config, [*OFFLINE, *extra, f"run={json.dumps(into)}", *overrides])
     if target.run != into:
         raise ConfigError(f"--set run={target.run} contradicts --into {into}")
     if target.kafka.prefix != base.kafka.prefix:
@@ -138,6 +143,13 @@ def replay_preprocessor(
     publish_schemas(transport, dst)
     ends = {(src_scored, p): high for p, (low, high) in marks.items() if high > low}
     committed = transport.group_offsets(dst.group("preprocessor"), src_scored)
+    log.info(
+        "replaying %s into run %s: %d records up to offsets %s",
+        src_scored,
+        target.run,
+        sum(high - low for low, high in marks.values()),
+        {p: high for (_t, p), high in sorted(ends.items())},
+    )
     summary = PreprocessorReplaySummary(
         source.run,
         target.run,

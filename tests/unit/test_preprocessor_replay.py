@@ -162,3 +162,8 @@ def test_replay_command_dispatches_on_the_stage() -> None:
         parser.parse_args(["verifier", "--run", "a"])
     with pytest.raises(SystemExit):
         parser.parse_args(["preprocessor", "--run", "a"])  # --into is required
+
+
+def test_run_and_runs_dir_names_stay_strings(tmp_path: Path) -> None:
+    _, target = replay_config(src_config(tmp_path), "src", "2024", [], runs_dir=tmp_path / "007")
+    assert target.run == "2024" and target.run_dir == tmp_path / "007" / "2024"
