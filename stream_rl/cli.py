@@ -28,7 +28,11 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("report", "stream_rl.report", "re-derive a finished run's summary.json and plots"),
     ("status", "stream_rl.status", "live table of a run: processes, servers, lag, trainer version"),
     ("trainer", "stream_rl.stages.trainer", "train on training-batches, broadcast weights, publish versions"),
-    ("replay", "stream_rl.train.replay", "re-run a stage on a run's topics (trainer: compare checksums)"),
+    (
+        "replay",
+        "stream_rl.replay",
+        "re-run a stage on a run's topics: trainer (checksums), preprocessor (ablation)",
+    ),
 ]
 
 

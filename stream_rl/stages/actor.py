@@ -52,7 +52,7 @@ from stream_rl.kafka.topics import PROBLEMS, RAW_ROLLOUTS, TopicNames
 from stream_rl.kafka.transport import Message, TopicPartition, Transport
 from stream_rl.metrics import DLQ, RECORDS_IN, RECORDS_OUT
 from stream_rl.stages.admission import Admission, Key, read_group_view
-from stream_rl.stages.entry import add_stage_arguments, open_transport, run_stage_command
+from stream_rl.stages.entry import Instance, add_stage_arguments, open_transport, run_stage_command
 from stream_rl.stages.rollouts import ChatTokenizer, Sampler, sample_seed
 from stream_rl.stages.routing import (
     ClientFactory,
@@ -83,7 +83,7 @@ class Actor:
         config: RunConfig,
         transport: Transport,
         stop: StopFlag,
-        instance: int = 0,
+        instance: Instance = 0,
         client_factory: ClientFactory | None = None,
         tokenizer: Any = None,
     ) -> None:
@@ -391,7 +391,7 @@ def run(
     stop: StopFlag | None = None,
     max_records: int | None = None,
     idle_timeout_s: float | None = None,
-    instance: int = 0,
+    instance: Instance = 0,
     client_factory: ClientFactory | None = None,
     tokenizer: Any = None,
 ) -> StageStats:
