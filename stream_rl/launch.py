@@ -210,6 +210,21 @@ class Launcher:
             )
         child.started_at = time.monotonic()
 
+    def check_server_ports(self) -> None:
+        """Fail before starting anything if a launched server's port is taken (another run?)."""
+        from stream_rl.kafka.broker import port_is_free
+
+        inf = self.config.inference
+        for child in self.children:
+            if child.role != "server":
+                continue
+            port = inf.base_port + int(child.name.rsplit("-", 1)[1])
+            if not port_is_free(port, inf.host):
+                raise StreamRLError(
+                    f"port {port} for {child.name} is taken (another run's server?): "
+                    f"choose others with --set inference.base_port=<port>"
+                )
+
     def wait_for_servers(self, timeout: float = 120.0) -> None:
         import httpx
 
@@ -320,6 +335,7 @@ class Launcher:
         self.bootstrap = self.start_broker()
         self.apply_topics()
         self.plan()
+        self.check_server_ports()
         monitor = RunMonitor(self.config, self.bootstrap)
         try:
             for child in self.children:

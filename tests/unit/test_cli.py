@@ -40,3 +40,23 @@ def test_every_command_has_help(capsys: pytest.CaptureFixture[str]) -> None:
     for name, _, _ in COMMANDS:
         parser, _ = command_parser(name)
         assert parser.format_help().startswith(f"usage: stream-rl {name}")
+
+
+def test_a_taken_server_port_is_a_clear_error(tmp_path: Path) -> None:
+    import socket
+
+    from stream_rl.config import load_config
+    from stream_rl.errors import StreamRLError
+    from stream_rl.kafka.stage import StopFlag
+    from stream_rl.launch import Launcher
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        cfg = load_config(None, [f"runs_dir={tmp_path}", f"inference.base_port={port}"])
+        launcher = Launcher(cfg, StopFlag())
+        launcher.bootstrap = "127.0.0.1:1"
+        launcher.plan()
+        with pytest.raises(StreamRLError, match=f"port {port} for server-0 is taken"):
+            launcher.check_server_ports()
