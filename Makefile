@@ -33,11 +33,14 @@ pytest: setup
 
 test: setup lint typecheck pytest
 
-# Until the launcher lands, the demo brings up the local broker and the demo run's topics.
-demo: setup
-	$(VENV)/bin/stream-rl kafka up
-	$(VENV)/bin/stream-rl topics apply --config configs/demo-cpu.yaml
-	$(VENV)/bin/stream-rl topics list --config configs/demo-cpu.yaml
+DEMO_MODEL := models/tiny-arith
+
+# The demo's model: a tiny Qwen2 warm-started on the arithmetic task's format (built once).
+$(DEMO_MODEL)/config.json: | setup
+	$(VENV)/bin/stream-rl make-model --preset tiny --warm-start arithmetic --out $(DEMO_MODEL) --overwrite
+
+demo: setup $(DEMO_MODEL)/config.json
+	$(VENV)/bin/stream-rl run configs/demo-cpu.yaml
 
 clean-venv:
 	rm -rf $(VENV)

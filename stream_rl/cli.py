@@ -28,7 +28,11 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("report", "stream_rl.report", "re-derive a finished run's summary.json and plots"),
     ("status", "stream_rl.status", "live table of a run: processes, servers, lag, trainer version"),
     ("trainer", "stream_rl.stages.trainer", "train on training-batches, broadcast weights, publish versions"),
-    ("replay", "stream_rl.train.replay", "re-run a stage on a run's topics (trainer: compare checksums)"),
+    (
+        "replay",
+        "stream_rl.replay",
+        "re-run a stage on a run's topics: trainer (checksums), preprocessor (ablation)",
+    ),
 ]
 
 
@@ -94,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # One INFO line per HTTP request would dominate the actor's log (and its CPU).
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     parser, mod = command_parser(top.command)
     args = parser.parse_args(top.rest)
     runner = getattr(mod, f"main_{top.command.replace('-', '_')}", None) or mod.main  # type: ignore[attr-defined]

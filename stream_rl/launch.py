@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -211,6 +212,21 @@ class Launcher:
             )
         child.started_at = time.monotonic()
 
+    def check_server_ports(self) -> None:
+        """Fail before starting anything if a launched server's port is taken (another run?)."""
+        from stream_rl.kafka.broker import port_is_free
+
+        inf = self.config.inference
+        for child in self.children:
+            if child.role != "server":
+                continue
+            port = inf.base_port + int(child.name.rsplit("-", 1)[1])
+            if not port_is_free(port, inf.host):
+                raise StreamRLError(
+                    f"port {port} for {child.name} is taken (another run's server?): "
+                    f"choose others with --set inference.base_port=<port>"
+                )
+
     def wait_for_servers(self, timeout: float = 120.0) -> None:
         import httpx
 
@@ -296,12 +312,32 @@ class Launcher:
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> int:
+        try:
+            return self._run()
+        finally:
+            self._stop_broker()
+
+    def _stop_broker(self) -> None:
+        if self.broker is None or self.config.launcher.keep_broker:
+            return
+        gc.collect()  # the run's Kafka clients are gone before their broker (no reconnect noise)
+        self.broker.down(quiet=True)
+        print(
+            f"stopped the local Kafka broker; its data stays in {self.broker.data_dir} "
+            f"(`stream-rl kafka up --data-dir {self.config.kafka.data_dir} --port {self.config.kafka.port}` "
+            f"brings it back, e.g. to replay)",
+            file=sys.stderr,
+        )
+
+    def _run(self) -> int:
+        from stream_rl.metrics import serve_metrics
         from stream_rl.monitor import RunMonitor
 
         started = time.monotonic()
         self.bootstrap = self.start_broker()
         self.apply_topics()
         self.plan()
+        self.check_server_ports()
         monitor = RunMonitor(self.config, self.bootstrap)
         try:
             for child in self.children:
@@ -311,8 +347,6 @@ class Launcher:
             for child in self.children:
                 if child.role != "server":
                     self.spawn(child)
-            from stream_rl.metrics import serve_metrics
-
             self.write_ports(serve_metrics(0))
             monitor.start()
             max_wall = self.config.launcher.max_wall_s
@@ -333,14 +367,6 @@ class Launcher:
         finally:
             self.stop_all()
             monitor.close()
-            if self.broker is not None and not self.config.launcher.keep_broker:
-                self.broker.down(quiet=True)
-                print(
-                    f"stopped the local Kafka broker; its data stays in {self.broker.data_dir} "
-                    f"(`stream-rl kafka up --data-dir {self.config.kafka.data_dir} --port {self.config.kafka.port}` "
-                    f"brings it back, e.g. to replay)",
-                    file=sys.stderr,
-                )
             summary = monitor.finish(
                 wall_s=time.monotonic() - started,
                 exit_reason=self.exit_reason,

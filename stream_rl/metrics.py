@@ -5,7 +5,11 @@ Stage-specific metrics are declared next to the stage; the ones here are the loo
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+METRICS_HOST_ENV = "STREAM_RL_METRICS_HOST"
 
 RECORDS_IN = Counter("stream_rl_records_in", "Records consumed", ["stage", "topic"])
 RECORDS_OUT = Counter("stream_rl_records_out", "Records produced", ["stage", "topic"])
@@ -20,7 +24,10 @@ BATCH_SECONDS = Histogram(
 UP = Gauge("stream_rl_stage_up", "1 while the stage runs", ["stage"])
 
 
-def serve_metrics(port: int, host: str = "127.0.0.1") -> int:
-    """Serve `/metrics` on host:port (0 picks a free port); returns the port."""
+def serve_metrics(port: int, host: str | None = None) -> int:
+    """Serve `/metrics` on host:port (0 picks a free port); returns the port. The host defaults to
+    $STREAM_RL_METRICS_HOST, else 127.0.0.1 (containers set 0.0.0.0 so that Prometheus, in another
+    container, can scrape them)."""
+    host = host or os.environ.get(METRICS_HOST_ENV) or "127.0.0.1"
     server, _thread = start_http_server(port, addr=host)
     return int(server.server_port)

@@ -94,6 +94,19 @@ def make_scored(
     )
 
 
+def make_scored_groups(
+    rewards: list[list[float]], group_size: int | None = None, run_id: str = "test"
+) -> list[ScoredRollout]:
+    """Group i (problem i) gets one sample per reward in `rewards[i]`, in sample order; with
+    `group_size` larger than a list, that group is incomplete. Completions vary in length."""
+    out = []
+    for i, group in enumerate(rewards):
+        size = group_size if group_size is not None else len(group)
+        for k, r in enumerate(group):
+            out.append(make_scored(i, k, size, reward=r, completion_len=3 + (i + k) % 5, run_id=run_id))
+    return out
+
+
 def make_training_sample(scored: ScoredRollout, advantage: float = 0.5) -> TrainingSample:
     r = scored.rollout
     n = len(r.completion_token_ids)

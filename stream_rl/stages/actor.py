@@ -52,7 +52,7 @@ from stream_rl.kafka.topics import PROBLEMS, RAW_ROLLOUTS, TopicNames
 from stream_rl.kafka.transport import Message, TopicPartition, Transport
 from stream_rl.metrics import DLQ, RECORDS_IN, RECORDS_OUT
 from stream_rl.stages.admission import Admission, Key, read_group_view
-from stream_rl.stages.entry import add_stage_arguments, open_transport, run_stage_command
+from stream_rl.stages.entry import Instance, add_stage_arguments, open_transport, run_stage_command
 from stream_rl.stages.rollouts import ChatTokenizer, Sampler, sample_seed
 from stream_rl.stages.routing import (
     ClientFactory,
@@ -83,7 +83,7 @@ class Actor:
         config: RunConfig,
         transport: Transport,
         stop: StopFlag,
-        instance: int = 0,
+        instance: Instance = 0,
         client_factory: ClientFactory | None = None,
         tokenizer: Any = None,
     ) -> None:
@@ -223,9 +223,14 @@ class Actor:
         self._wake.set()
 
     async def _group(self, msg: Message, problem: Problem, key: Key) -> None:
-        samples = [asyncio.create_task(self._sample(problem, i)) for i in range(self.cfg.group_size)]
+        samples: list[asyncio.Task[Rollout | list[Rollout]]]
+        if self.task.multi_turn:  # one conversation per sample, each on one server
+            samples = [asyncio.create_task(self._sample(problem, i)) for i in range(self.cfg.group_size)]
+        else:  # the whole group in one request (n = group_size)
+            samples = [asyncio.create_task(self._sample_group(problem))]
         try:
-            rollouts = await asyncio.gather(*samples)
+            results = await asyncio.gather(*samples)
+            rollouts = [r for res in results for r in (res if isinstance(res, list) else [res])]
         except RequestRejected as exc:
             for s in samples:
                 s.cancel()
@@ -245,7 +250,18 @@ class Actor:
         self._done.append(msg)
         self._wake.set()
 
-    async def _sample(self, problem: Problem, index: int) -> Rollout:
+    async def _sample_group(self, problem: Problem) -> Rollout | list[Rollout]:
+        group_id = Rollout.make_group_id(problem)
+        seed = sample_seed(self.config.seed, group_id) if self.cfg.seeded_sampling else None
+
+        async def call(server: Server) -> list[Rollout]:
+            return await self.sampler.sample_group(
+                server.client, server.url, problem, self.cfg.group_size, seed
+            )
+
+        return await self.pool.call(call, group_id)
+
+    async def _sample(self, problem: Problem, index: int) -> Rollout | list[Rollout]:
         rollout_id = Rollout.make_rollout_id(Rollout.make_group_id(problem), index)
         seed = sample_seed(self.config.seed, rollout_id) if self.cfg.seeded_sampling else None
 
@@ -375,7 +391,7 @@ def run(
     stop: StopFlag | None = None,
     max_records: int | None = None,
     idle_timeout_s: float | None = None,
-    instance: int = 0,
+    instance: Instance = 0,
     client_factory: ClientFactory | None = None,
     tokenizer: Any = None,
 ) -> StageStats:

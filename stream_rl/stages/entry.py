@@ -1,7 +1,13 @@
 """What the stage commands share: options, config, transport, metrics endpoint, signals.
 
-    stream-rl actor --config run.yaml [--bootstrap HOST:PORT] [--instance 1] [--max-records N]
+    stream-rl actor --config run.yaml [--bootstrap HOST:PORT] [--instance ID] [--max-records N]
                     [--idle-timeout S] [--metrics-port P] [--set actor.group_size=4]
+
+`--instance` names one process among a stage's processes: the launcher passes 0, 1, 2...,
+`docker compose` the container's hostname. It goes into client ids, the static group member id
+and the preprocessor's transactional id, so it must be unique per replica and stable across
+restarts of the same replica (a restarted replica then takes its partitions back at once and
+fences its dead predecessor).
 
 SIGTERM or Ctrl-C stops the stage the way its loop drains (finish the work in hand, commit,
 close); the exit status is 0, or 2 with a one-line message for errors a user can act on.
@@ -11,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 from collections.abc import Callable
 
 from stream_rl.cli import add_common
@@ -22,6 +29,20 @@ from stream_rl.metrics import UP, serve_metrics
 log = logging.getLogger(__name__)
 
 StageRun = Callable[..., StageStats]
+Instance = int | str
+"""A stage process's id among its stage's processes (see the module docstring)."""
+
+_INSTANCE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def instance_id(value: str) -> str:
+    """argparse type of `--instance`: letters, digits, `_`, `.`, `-` (a Kafka client id,
+    transactional id and group instance id may hold them all); at most 64 characters."""
+    if not _INSTANCE_RE.match(value):
+        raise argparse.ArgumentTypeError(
+            f"invalid instance id {value!r}: use letters, digits, '_', '.', '-' (e.g. 0, 1 or a hostname)"
+        )
+    return value
 
 
 def add_stage_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,9 +50,10 @@ def add_stage_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser, bounded=True)
     parser.add_argument(
         "--instance",
-        type=int,
-        default=0,
-        help="index of this process among the stage's processes (client and transactional ids)",
+        type=instance_id,
+        default="0",
+        help="id of this process among the stage's processes, unique per replica: 0, 1, ... or a "
+        "hostname (client, group member and transactional ids)",
     )
 
 

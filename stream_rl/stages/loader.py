@@ -33,7 +33,7 @@ from stream_rl.kafka.serde import Serde, default_serde
 from stream_rl.kafka.stage import StageStats, StopFlag
 from stream_rl.kafka.topics import PROBLEMS, TopicNames
 from stream_rl.kafka.transport import Transport
-from stream_rl.stages.entry import add_stage_arguments, open_transport, run_stage_command
+from stream_rl.stages.entry import Instance, add_stage_arguments, open_transport, run_stage_command
 from stream_rl.tasks import get_task
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def run(
     stop: StopFlag | None = None,
     max_records: int | None = None,
     idle_timeout_s: float | None = None,
-    instance: int = 0,
+    instance: Instance = 0,
 ) -> StageStats:
     """Write the missing (problem, epoch) records; `max_records` caps the records written.
     `idle_timeout_s` is accepted for symmetry with the other stages (the loader never waits)."""

@@ -26,7 +26,8 @@ sample reaches `training-batches` exactly once and every group is complete (or d
   consumed by the trainer (as its latest `WeightVersion` reports) exceed `max_untrained_batches`,
   raised at run time to two optimizer steps' worth so that the trainer can always step.
 
-Run alone: `stream-rl preprocessor --config run.yaml [--instance i]`.
+Run alone: `stream-rl preprocessor --config run.yaml [--instance ID]`. `stream-rl replay
+preprocessor` (`preprocessor_replay.py`) runs this same class on another run's `scored`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import argparse
 import logging
 import math
 import time
+from collections.abc import Callable
 
 from prometheus_client import Counter
 
@@ -48,7 +50,7 @@ from stream_rl.kafka.stage import Incoming, Output, Reject, StageLoop, StageStat
 from stream_rl.kafka.topics import SCORED, TRAINING_BATCHES, TopicNames
 from stream_rl.kafka.transport import Message, TopicPartition, Transport
 from stream_rl.metrics import DLQ, DUPLICATES
-from stream_rl.stages.entry import add_stage_arguments, open_transport, run_stage_command
+from stream_rl.stages.entry import Instance, add_stage_arguments, open_transport, run_stage_command
 from stream_rl.stages.grouping import Added, PartitionGroups, group_advantages, training_samples
 from stream_rl.stages.packing import pack
 
@@ -62,13 +64,23 @@ GROUPS = Counter("stream_rl_preprocessor_groups", "Complete groups by outcome", 
 
 
 class Preprocessor:
-    def __init__(self, config: RunConfig, transport: Transport, stop: StopFlag, instance: int) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        transport: Transport,
+        stop: StopFlag,
+        instance: Instance,
+        scored_topic: str | None = None,
+    ) -> None:
+        """`scored_topic` overrides the input (default: the run's own `scored`); `replay
+        preprocessor` reads another run's. Everything written stays in `config.run`'s namespace."""
         self.config = config
         self.cfg = config.preprocessor
         self.transport = transport
         self.stop = stop
+        self.instance = instance
         self.names = TopicNames(config.run, config.kafka.prefix)
-        self.scored_topic = self.names[SCORED]
+        self.scored_topic = scored_topic or self.names[SCORED]
         self.state_topic = self.names[STATE]
         self.batches_topic = self.names[TRAINING_BATCHES]
         self.producer_id = f"preprocessor-{instance}"
@@ -78,11 +90,15 @@ class Preprocessor:
             "duplicates": 0,
             "emitted": 0,
             "filtered": 0,
+            "filtered_samples": 0,
+            "samples_out": 0,
             "timed_out": 0,
             "batches": 0,
             "samples": 0,
             "offsets": 0,
         }
+        self.abs_advantage_sum = 0.0
+        """Sum of |advantage| over the samples written to training-batches (one per sample)."""
         self._last_expiry = 0.0
         self._backlog_checked = 0.0
         self._last_hold_log = 0.0
@@ -196,9 +212,12 @@ class Preprocessor:
                 filtered += len(scored)
                 filtered_keys.append(gid)
                 self.counts["filtered"] += 1
+                self.counts["filtered_samples"] += len(scored)
                 GROUPS.labels("filtered").inc()
                 continue
             samples.extend(training_samples(scored, advantages))
+            self.counts["samples_out"] += len(scored)
+            self.abs_advantage_sum += math.fsum(abs(a) for a in advantages)
             self.counts["emitted"] += 1
             GROUPS.labels("emitted").inc()
         for tb, data in pack(
@@ -240,6 +259,10 @@ class Preprocessor:
         return out
 
     # -- backpressure --------------------------------------------------------------------------
+    def open_groups(self) -> int:
+        """Groups holding some but not all of their samples, on the assigned partitions."""
+        return sum(len(groups.open) for groups in self.parts.values())
+
     def untrained(self) -> int:
         """Offsets of training-batches written and not yet consumed by the trainer, as its latest
         `WeightVersion` reports them (the trainer commits its group offsets only at checkpoints)."""
@@ -280,6 +303,31 @@ class Preprocessor:
             self.stop.wait(0.2)
 
 
+def stage_loop(pre: Preprocessor, before_poll: Callable[[], None] | None) -> StageLoop[ScoredRollout]:
+    """The preprocessor's consume-process-produce loop: `pre.scored_topic` in, one transaction per
+    poll, consumer group and transactional id in `pre.config.run`'s namespace. `before_poll` is
+    the backpressure hold of a live run (`pre.hold`), or the end check of a replay."""
+    config = pre.config
+    return StageLoop(
+        name="preprocessor",
+        transport=pre.transport,
+        group=pre.names.group("preprocessor"),
+        input_topic=pre.scored_topic,
+        input_type=ScoredRollout,
+        handle=pre.handle,
+        dlq_topic=pre.names.dlq(SCORED),
+        client_id=pre.producer_id,
+        # Stable per instance: a restarted instance fences its killed predecessor at once.
+        transactional_id=f"{config.kafka.prefix}.{config.run}.preprocessor.{pre.instance}",
+        batch_size=config.preprocessor.batch_size,
+        on_assign=pre.on_assign,
+        on_revoke=pre.on_revoke,
+        on_idle=pre.on_idle,
+        before_poll=before_poll,
+        stop=pre.stop,
+    )
+
+
 def run(
     config: RunConfig,
     *,
@@ -287,34 +335,17 @@ def run(
     stop: StopFlag | None = None,
     max_records: int | None = None,
     idle_timeout_s: float | None = None,
-    instance: int = 0,
+    instance: Instance = 0,
 ) -> StageStats:
     """Run until stopped, `max_records` scored records consumed, or `idle_timeout_s` without input."""
     transport = open_transport(config, transport)
     stop = stop if stop is not None else StopFlag()
-    names = TopicNames(config.run, config.kafka.prefix)
     pre = Preprocessor(config, transport, stop, instance)
     pre.follower.start()
     try:
-        loop: StageLoop[ScoredRollout] = StageLoop(
-            name="preprocessor",
-            transport=transport,
-            group=names.group("preprocessor"),
-            input_topic=names[SCORED],
-            input_type=ScoredRollout,
-            handle=pre.handle,
-            dlq_topic=names.dlq(SCORED),
-            client_id=pre.producer_id,
-            # Stable per instance: a restarted instance fences its killed predecessor at once.
-            transactional_id=f"{config.kafka.prefix}.{config.run}.preprocessor.{instance}",
-            batch_size=config.preprocessor.batch_size,
-            on_assign=pre.on_assign,
-            on_revoke=pre.on_revoke,
-            on_idle=pre.on_idle,
-            before_poll=pre.hold,
-            stop=stop,
+        stats = stage_loop(pre, before_poll=pre.hold).run(
+            max_records=max_records, idle_timeout_s=idle_timeout_s
         )
-        stats = loop.run(max_records=max_records, idle_timeout_s=idle_timeout_s)
     finally:
         pre.follower.stop()
     stats.extra.update({k: float(v) for k, v in pre.counts.items()})

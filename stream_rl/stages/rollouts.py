@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from stream_rl.config import SamplingConfig
 from stream_rl.contracts import ChatMessage, Problem, Rollout, VersionSpan, now_ms
-from stream_rl.errors import TaskError
+from stream_rl.errors import InferenceError, TaskError
 from stream_rl.tasks.base import Completion, MultiTurnResult, Task
 
 _TURN_STRIDE = 7919
@@ -174,6 +174,34 @@ class Sampler:
             )
         rollout.validate()
         return rollout
+
+    async def sample_group(
+        self, client: Any, server_id: str, problem: Problem, group_size: int, seed: int | None
+    ) -> list[Rollout]:
+        """All `group_size` samples of a single-turn problem in ONE request (`n = group_size`):
+        one HTTP round trip, one chat-template render and one prefill instead of `group_size`."""
+        started, t0 = now_ms(), time.perf_counter()
+        messages = [m.to_dict() for m in problem.prompt]
+        completions = await client.complete_many(messages, self.sampling, n=group_size, seed=seed)
+        if len(completions) != group_size:
+            raise InferenceError(f"{server_id} returned {len(completions)} choices for n={group_size}")
+        finished, generation_ms = now_ms(), (time.perf_counter() - t0) * 1000
+        rollouts = []
+        for index, completion in enumerate(completions):
+            rollout = rollout_from_completion(
+                problem,
+                index,
+                group_size,
+                completion,
+                actor_id=self.actor_id,
+                server_id=server_id,
+                started_ms=started,
+                finished_ms=finished,
+                generation_ms=generation_ms,
+            )
+            rollout.validate()
+            rollouts.append(rollout)
+        return rollouts
 
 
 class ChatTokenizer:

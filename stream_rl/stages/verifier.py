@@ -32,7 +32,7 @@ from stream_rl.contracts import Rollout, ScoredRollout, Verdict
 from stream_rl.kafka.stage import Incoming, Output, Reject, StageLoop, StageStats, StopFlag
 from stream_rl.kafka.topics import RAW_ROLLOUTS, SCORED, TopicNames
 from stream_rl.kafka.transport import Transport
-from stream_rl.stages.entry import add_stage_arguments, open_transport, run_stage_command
+from stream_rl.stages.entry import Instance, add_stage_arguments, open_transport, run_stage_command
 from stream_rl.stages.scoring import ScoringPool
 from stream_rl.tasks import Scored, get_task
 
@@ -96,7 +96,7 @@ def run(
     stop: StopFlag | None = None,
     max_records: int | None = None,
     idle_timeout_s: float | None = None,
-    instance: int = 0,
+    instance: Instance = 0,
 ) -> StageStats:
     """Score until stopped, `max_records` rollouts consumed, or `idle_timeout_s` without input."""
     transport = open_transport(config, transport)

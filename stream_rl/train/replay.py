@@ -19,6 +19,7 @@ import argparse
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from stream_rl.config import RunConfig, load_config
 from stream_rl.contracts import TrainingBatch
@@ -27,10 +28,8 @@ from stream_rl.kafka.serde import Serde, default_serde
 from stream_rl.kafka.stage import StopFlag
 from stream_rl.kafka.topics import TRAINING_BATCHES, TopicNames
 from stream_rl.kafka.transport import Message, TopicPartition, Transport
-from stream_rl.train.accounting import StepRunner, unusable_reason
 from stream_rl.train.lineage import by_version, read_weight_versions
 from stream_rl.train.record import recorded_config_path
-from stream_rl.train.step import build_trainer
 
 log = logging.getLogger(__name__)
 
@@ -108,12 +107,19 @@ def replay_trainer(
     poll_timeout_s: float = 10.0,
 ) -> ReplayReport:
     """Re-train the run from its topics; see the module docstring."""
+    # torch only here: `stream-rl replay` also serves `replay preprocessor`, which needs none.
+    from stream_rl.train.accounting import StepRunner, unusable_reason
+    from stream_rl.train.step import build_trainer
+
     serde = serde or default_serde()
     names = TopicNames(run=config.run, prefix=config.kafka.prefix)
     versions = by_version(read_weight_versions(transport, names, serde))
     report = ReplayReport()
     if 0 not in versions:
-        report.error = f"the run {config.run!r} has no version 0 in its weight-versions"
+        report.error = (
+            f"the run {config.run!r} has no version 0 in its weight-versions (nothing trained yet: "
+            f"`stream-rl trainer --config {config.run_dir / 'config.yaml'}` trains it)"
+        )
         return report
     trainer = build_trainer(config, model_path)
     v0 = versions[0]
@@ -157,9 +163,9 @@ def replay_trainer(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `replay trainer` (`stream_rl.replay` adds it as a subcommand)."""
     from stream_rl.cli import add_common
 
-    parser.add_argument("stage", choices=["trainer"], help="what to replay")
     parser.add_argument("--run", required=True, help="run name")
     parser.add_argument("--runs-dir", default="runs", help="where runs live (default runs/)")
     parser.add_argument("--model", default=None, help="initial weights (default: the recorded model.path)")
@@ -171,6 +177,8 @@ def main(args: argparse.Namespace) -> int:
     from stream_rl.kafka.client import KafkaTransport
 
     recorded = recorded_config_path(args.runs_dir, args.run)
+    if not recorded.is_file():  # no trainer ran yet: the launcher's (or `replay preprocessor`'s) config
+        recorded = Path(args.runs_dir) / args.run / "config.yaml"
     if args.config is None and not recorded.is_file():
         raise ConfigError(f"{recorded} not found: pass --config (the run's config) or --runs-dir")
     config = load_config(args.config or recorded, args.overrides)

@@ -92,6 +92,18 @@ class FakeClient:
     async def complete(
         self, prompt: list[int] | list[dict[str, Any]], sampling: SamplingConfig, *, seed: int | None = None
     ) -> FakeCompletion:
+        return (await self.complete_many(prompt, sampling, n=1, seed=seed))[0]
+
+    async def complete_many(
+        self,
+        prompt: list[int] | list[dict[str, Any]],
+        sampling: SamplingConfig,
+        *,
+        n: int = 1,
+        seed: int | None = None,
+    ) -> list[FakeCompletion]:
+        """One request for n sequences (sequence i of a seeded request uses seed * 1000003 + i,
+        as the real engine derives them)."""
         s = self.server
         s.calls += 1
         if s.down:
@@ -112,11 +124,19 @@ class FakeClient:
         finally:
             s.in_flight -= 1
         s.seeds.append(seed)
+        if prompt and isinstance(prompt[0], dict) and str(prompt[-1]["content"]) in s.reject:  # type: ignore[index]
+            s.failures += 1
+            raise InferenceError(f"POST {s.url}: HTTP 400: prompt rejected")
+        out = []
+        for i in range(n):
+            sub_seed = seed if (seed is None or n == 1) else seed * 1_000_003 + i
+            out.append(self._one(prompt, sub_seed))
+        return out
+
+    def _one(self, prompt: list[int] | list[dict[str, Any]], seed: int | None) -> FakeCompletion:
+        s = self.server
         if prompt and isinstance(prompt[0], dict):
             content = str(prompt[-1]["content"])  # type: ignore[index]
-            if content in s.reject:
-                s.failures += 1
-                raise InferenceError(f"POST {s.url}: HTTP 400: prompt rejected")
             prompt_ids = render(prompt)  # type: ignore[arg-type]
             text = arithmetic_reply(content, seed)
         else:

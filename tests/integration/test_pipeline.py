@@ -134,9 +134,11 @@ def test_stages_turn_problems_into_the_right_training_batches(
             assert s.reward == task.score(problem, rollout.text, finish_reason=rollout.finish_reason).reward
             assert s.reward == scored[s.rollout_id].reward and s.verdict == scored[s.rollout_id].verdict
             if tokenizer is None:
-                # The fake policy is known: right unless the request seed is a multiple of 3.
+                # The fake policy is known: right unless the sequence's seed is a multiple of 3
+                # (one request per group; sequence i's seed derives from the group's).
+                index = int(s.rollout_id.rsplit(".s", 1)[1])
                 expected = arithmetic_reply(
-                    problem.prompt[-1].content, sample_seed(config.seed, s.rollout_id)
+                    problem.prompt[-1].content, sample_seed(config.seed, gid) * 1_000_003 + index
                 )
                 assert completion == [*map(ord, expected), END] and rollout.text == expected
                 assert s.input_ids[: s.prompt_len] == render([m.to_dict() for m in problem.prompt])

@@ -12,6 +12,21 @@ from stream_rl.cli import COMMANDS
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _tracked() -> set[str]:
+    """The repository's files and their parent folders (ignored local files, e.g. runs/, don't count)."""
+    import subprocess
+
+    out = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True).stdout.split()
+    paths = set(out)
+    for f in out:
+        parts = f.split("/")
+        paths.update("/".join(parts[:i]) for i in range(1, len(parts)))
+    return paths
+
+
+TRACKED = _tracked()
 README = (REPO / "README.md").read_text()
 PATH_RE = re.compile(
     r"`((?:\.{0,2}/)?[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.*<>-]*)+|[A-Za-z0-9_-]+\.(?:py|yaml|yml|md|toml|json|avsc|xml|png))`"
@@ -25,7 +40,7 @@ def named_paths() -> list[str]:
         path = m.group(1)
         if any(path.startswith(g) for g in GENERATED) or "<" in path or "*" in path:
             continue
-        if "/" not in path and not (REPO / path).exists() and not list(REPO.rglob(path)):
+        if "/" not in path and not any(t == path or t.endswith("/" + path) for t in TRACKED):
             out.append(path)  # a bare file name must exist somewhere in the repo
             continue
         if "/" in path:

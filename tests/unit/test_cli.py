@@ -1,0 +1,62 @@
+"""The CLI: errors a user can act on are one line (plus one per bad key), never a traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stream_rl.cli import main
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_bad_config_value_is_one_line_naming_the_key(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["run", str(REPO / "configs" / "demo-cpu.yaml"), "--set", "trainer.lr=-1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert err == [
+        f"error: {REPO / 'configs' / 'demo-cpu.yaml'}: trainer.lr: Input should be greater than 0 (got -1)"
+    ]
+
+
+def test_unknown_key_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["run", str(REPO / "configs" / "demo-cpu.yaml"), "--set", "actor.grup_size=4"])
+    assert rc == 2
+    assert "actor.grup_size: unknown key" in capsys.readouterr().err
+
+
+def test_missing_config_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    rc = main(["run", str(tmp_path / "nope.yaml")])
+    assert rc == 2
+    assert "cannot read config" in capsys.readouterr().err
+
+
+def test_every_command_has_help(capsys: pytest.CaptureFixture[str]) -> None:
+    from stream_rl.cli import COMMANDS, command_parser
+
+    for name, _, _ in COMMANDS:
+        parser, _ = command_parser(name)
+        assert parser.format_help().startswith(f"usage: stream-rl {name}")
+
+
+def test_a_taken_server_port_is_a_clear_error(tmp_path: Path) -> None:
+    import socket
+
+    from stream_rl.config import load_config
+    from stream_rl.errors import StreamRLError
+    from stream_rl.kafka.stage import StopFlag
+    from stream_rl.launch import Launcher
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        cfg = load_config(None, [f"runs_dir={tmp_path}", f"inference.base_port={port}"])
+        launcher = Launcher(cfg, StopFlag())
+        launcher.bootstrap = "127.0.0.1:1"
+        launcher.plan()
+        with pytest.raises(StreamRLError, match=f"port {port} for server-0 is taken"):
+            launcher.check_server_ports()

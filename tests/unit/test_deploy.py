@@ -1,0 +1,216 @@
+"""The Docker path, checked without Docker (no engine on our machines): docker-compose.yml parses,
+every stream-rl service runs a real `stream-rl` subcommand whose arguments parse with that
+command's own parser and whose `--config` loads, the services agree with configs/demo-docker.yaml
+and the Prometheus config (hostnames, ports, paths), and the Dockerfile installs exactly what the
+README's "Install without make" says. Plus: `--instance` takes a replica's hostname."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+from stream_rl.cli import COMMANDS, command_parser
+from stream_rl.config import RunConfig, load_config
+from stream_rl.contracts import TrainingBatch
+from stream_rl.kafka.memory import MemoryTransport
+from stream_rl.kafka.serde import default_serde
+from stream_rl.kafka.topics import SCORED, TRAINING_BATCHES, TopicNames
+from stream_rl.stages import preprocessor
+from stream_rl.stages.entry import instance_id
+from stream_rl.testing import make_scored_groups
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE: dict[str, Any] = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
+DOCKERFILE = (REPO / "deploy" / "Dockerfile").read_text()
+HOSTNAME = "3f2a9c1b7d10"  # what $HOSTNAME is in a container: its short id
+SCALED = ("actor", "verifier", "preprocessor")
+
+
+def dockerfile_instructions(keyword: str) -> list[str]:
+    return [
+        line[len(keyword) + 1 :].strip() for line in DOCKERFILE.splitlines() if line.startswith(keyword + " ")
+    ]
+
+
+def stream_rl_services() -> dict[str, dict[str, Any]]:
+    return {
+        name: svc
+        for name, svc in SERVICES.items()
+        if svc.get("image") == "stream-rl:latest" or "Dockerfile" in str(svc.get("build", ""))
+    }
+
+
+def invocations(svc: dict[str, Any]) -> list[list[str]]:
+    """The `stream-rl` argv lists a service runs (after `stream-rl`), with $$HOSTNAME substituted."""
+    command = svc.get("command", [])
+    entrypoint = svc.get("entrypoint")
+    if entrypoint is None:
+        entry = json.loads(dockerfile_instructions("ENTRYPOINT")[0])
+        assert entry == ["stream-rl"]
+        return [[str(c) for c in command]]
+    assert entrypoint == ["sh", "-c"], f"unexpected entrypoint {entrypoint}"
+    script = " ".join(command).replace("$$HOSTNAME", HOSTNAME)
+    assert "$" not in script, f"compose would interpolate a variable from the host: {script}"
+    out = []
+    for part in re.split(r"&&|\|\||;|\(|\)", script):
+        words = shlex.split(part)
+        if words and words[0] == "exec":
+            words = words[1:]
+        if words and words[0] == "stream-rl":
+            out.append(words[1:])
+    return out
+
+
+def parse(argv: list[str]) -> tuple[str, argparse.Namespace]:
+    name = argv[0]
+    assert name in {n for n, _, _ in COMMANDS}, f"`stream-rl {name}` is not a command"
+    parser, _ = command_parser(name)
+    return name, parser.parse_args(argv[1:])
+
+
+ALL = [(svc, argv) for svc, spec in stream_rl_services().items() for argv in invocations(spec)]
+
+
+def test_compose_parses_and_every_stream_rl_service_runs_a_command() -> None:
+    services = stream_rl_services()
+    assert set(services) >= {"init", "server", "trainer", "loader", *SCALED, "lag-exporter"}
+    assert all(invocations(spec) for spec in services.values())
+    assert {"kafka", "prometheus", "grafana"} <= set(SERVICES)
+
+
+@pytest.mark.parametrize("service,argv", ALL, ids=[f"{s}:{a[0]}" for s, a in ALL])
+def test_service_arguments_parse_and_config_loads(service: str, argv: list[str]) -> None:
+    _, args = parse(argv)
+    config = getattr(args, "config", None)
+    if config is not None:
+        assert not Path(config).is_absolute(), "configs come from the image's /app (the repository)"
+        assert isinstance(load_config(REPO / config, args.overrides), RunConfig)
+
+
+def demo_config() -> RunConfig:
+    return load_config(REPO / "configs" / "demo-docker.yaml")
+
+
+def args_of(service: str, command: str) -> argparse.Namespace:
+    argv = next(a for a in invocations(SERVICES[service]) if a[0] == command)
+    return parse(argv)[1]
+
+
+def test_scaled_services_take_the_hostname_as_instance_and_the_trainer_stays_single() -> None:
+    for name in SCALED:
+        args = args_of(name, name)
+        assert args.instance == HOSTNAME
+    assert "--instance" not in invocations(SERVICES["trainer"])[0]
+    assert args_of("trainer", "trainer").instance == 0
+    assert "deploy" not in SERVICES["trainer"]  # no replicas
+
+
+def test_services_agree_with_the_docker_config() -> None:
+    cfg = demo_config()
+    env = SERVICES["trainer"]["environment"]
+    assert cfg.kafka.bootstrap == env["STREAM_RL_KAFKA_BOOTSTRAP"] == "kafka:19092"
+    assert "PLAINTEXT://kafka:19092" in SERVICES["kafka"]["environment"]["KAFKA_ADVERTISED_LISTENERS"]
+    # The actor reaches the server service at its port; the server the trainer's store by its hostname.
+    (server,) = cfg.inference.servers
+    url = urlparse(server.url)
+    serve = args_of("server", "serve")
+    assert url.hostname in SERVICES and (url.port, serve.host) == (serve.port, "0.0.0.0")
+    assert cfg.trainer.sync_master_addr in SERVICES and cfg.trainer.sync_master_addr == "trainer"
+    # One model path: built by init, served, trained; on the shared volume.
+    make_model = args_of("init", "make-model")
+    assert cfg.model.path == serve.model == make_model.out == "/models/tiny-arith"
+    assert make_model.warm_start == "arithmetic"
+    assert any(v.endswith(":/models") for v in SERVICES["server"]["volumes"])
+    assert args_of("init", "topics").action == "apply"
+    assert SERVICES["server"]["environment"]["STREAM_RL_METRICS_HOST"] == "0.0.0.0"
+
+
+def test_prometheus_scrapes_what_the_services_serve() -> None:
+    prom = yaml.safe_load((REPO / "deploy" / "prometheus-docker.yml").read_text())
+    ports: dict[str, int] = {}
+    for job in prom["scrape_configs"]:
+        for sd in job["dns_sd_configs"]:
+            for name in sd["names"]:
+                ports[name] = sd["port"]
+    assert set(ports) <= set(SERVICES)
+    for name, port in ports.items():
+        args = next(parse(a)[1] for a in invocations(SERVICES[name]))
+        served = getattr(args, "metrics_port", None) or getattr(args, "serve_metrics", None) or args.port
+        assert served == port, f"{name} serves /metrics on {served}, prometheus scrapes {port}"
+    assert {"trainer", "server", "lag-exporter", *SCALED} <= set(ports)
+
+
+def test_bind_mounts_exist() -> None:
+    for name, svc in SERVICES.items():
+        for volume in svc.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (REPO / source).exists(), f"{name} mounts {source}, which does not exist"
+    grafana = SERVICES["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert (REPO / "deploy" / "grafana" / "dashboards" / Path(grafana).name).is_file()
+
+
+def test_dockerfile_copies_what_exists_and_installs_the_readme_steps() -> None:
+    for copy in dockerfile_instructions("COPY"):
+        for source in copy.split()[:-1]:
+            assert (REPO / source).exists(), f"Dockerfile copies {source}, which does not exist"
+    docker_pips = [run for run in dockerfile_instructions("RUN") if run.startswith("pip install")]
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("### Install without make", 1)[1].split("\n#", 1)[0]
+    readme_pips = [line.strip() for line in section.splitlines() if line.strip().startswith("pip install")]
+    assert docker_pips and docker_pips == readme_pips
+    # The CPU torch wheel is the version pyproject.toml pins.
+    pinned = re.search(r'"torch==([^"]+)"', (REPO / "pyproject.toml").read_text())
+    assert pinned and f"torch=={pinned.group(1)} " in docker_pips[0]
+
+
+@pytest.mark.parametrize("value", ["0", "12", HOSTNAME, "actor-2.example"])
+def test_instance_ids_accept_hostnames(value: str) -> None:
+    assert instance_id(value) == value
+
+
+@pytest.mark.parametrize("value", ["", "a b", "-x", "x/y", "é", "x" * 65])
+def test_instance_ids_reject_what_kafka_ids_should_not_hold(value: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        instance_id(value)
+
+
+def test_a_hostname_instance_names_the_preprocessor_s_output() -> None:
+    names = TopicNames("r")
+    transport = MemoryTransport()
+    transport.create_topics(names.all_topics(partitions=2))
+    producer = transport.producer("verifier")
+    for s in make_scored_groups([[1, 0, 0, 1]], run_id="r"):
+        producer.produce(names[SCORED], default_serde().encode(s), key=s.rollout.group_id)
+    config = RunConfig.model_validate({"run": "r"})
+    stats = preprocessor.run(config, transport=transport, max_records=4, instance=HOSTNAME)
+    assert stats.records_in == 4
+    batches = [
+        default_serde().decode(m.value, TrainingBatch) for m in transport.messages(names[TRAINING_BATCHES])
+    ]
+    assert batches and {b.producer_id for b in batches} == {f"preprocessor-{HOSTNAME}"}
+
+
+def test_metrics_bind_where_the_environment_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Containers set $STREAM_RL_METRICS_HOST=0.0.0.0; here 127.0.0.2 tells the two apart."""
+    import socket
+
+    from stream_rl.metrics import METRICS_HOST_ENV, serve_metrics
+
+    monkeypatch.setenv(METRICS_HOST_ENV, "127.0.0.2")
+    port = serve_metrics(0)
+    with socket.create_connection(("127.0.0.2", port), timeout=5):
+        pass
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass
