@@ -36,6 +36,7 @@ import math
 import os
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -285,7 +286,12 @@ def plot(runs: list[dict[str, Any]], target: float, window: int, path: Path) -> 
     plt.close(fig)
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through run_one's `finally`: the launcher is stopped
+
+
 def main() -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/demo-cpu.yaml")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
