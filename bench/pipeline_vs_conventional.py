@@ -308,7 +308,7 @@ def main() -> int:
         type=int,
         default=None,
         metavar="CPU",
-        help="pin the trainer to this CPU and the run's other processes to the others (separate devices)",
+        help="pin the trainer to this CPU and the inference servers to the others (separate devices)",
     )
     ap.add_argument("--runs-dir", default="runs")
     ap.add_argument("--name", default="pipeline_vs_conventional", help="bench/results/<name>.json|png")

@@ -7,9 +7,10 @@ finished run into figures. Linux only (reads /proc).
   the verifier), plus the launcher itself and the Kafka broker;
 - the machine's busy CPU seconds (/proc/stat), so `machine - ours` is what other work took;
 - each inference server's `/metrics` counters: `busy_seconds` (engine working), generated tokens.
-With `pin_trainer` it also pins CPUs: every thread of the trainer's processes to those CPUs, every
-thread of the run's other processes to the remaining ones (generation and training then run on
-separate "devices", as in PipelineRL's GPU setup, in every mode alike).
+With `pin_trainer` it also pins CPUs, to stand in for PipelineRL's separate devices: every thread
+of the trainer to those CPUs, every thread of the inference servers to the remaining ones. The
+host-side work (actor, verifier, preprocessor, loader, the broker) stays unpinned, as CPU work
+beside GPUs would: pinned onto the servers' core, the broker starved for 30 s and runs died.
 
 `analyze()` reads the run's timeline (`weight-versions` lineage, stage offsets) and the probe's
 samples and returns one flat dict of figures over the training window, from the publication of
@@ -102,7 +103,7 @@ class RunProbe(threading.Thread):
                 raise ValueError(
                     f"pinning the trainer to CPUs {sorted(pin_trainer)} leaves none for the rest"
                 )
-            self.pin = {"trainer": set(pin_trainer), "other": rest}
+            self.pin = {"trainer": set(pin_trainer), "server": rest}
         self._pinned: set[int] = set()
         self._halt = threading.Event()
 
@@ -155,8 +156,9 @@ class RunProbe(threading.Thread):
                 node, hops = parents[node], hops + 1
             if node in owners:
                 self._cpu[pid] = (owners[node], seconds)  # a process that ends keeps its last figure
-                if self.pin is not None and self._have_children:
-                    self._pin(pid, self.pin["trainer" if role_of(owners[node]) == "trainer" else "other"])
+                role = role_of(owners[node])
+                if self.pin is not None and self._have_children and role in self.pin:
+                    self._pin(pid, self.pin[role])
         per_owner: dict[str, float] = {}
         for owner, seconds in self._cpu.values():
             per_owner[role_of(owner)] = per_owner.get(role_of(owner), 0.0) + seconds
