@@ -23,7 +23,7 @@ stage used (`bench/run_probe.py`). Then the ratios conventional / pipeline.
     .venv/bin/python bench/pipeline_vs_conventional.py --repeats 2 --set trainer.samples_per_step=64
     .venv/bin/python bench/pipeline_vs_conventional.py --analyze-only        # re-read the last runs
 
-Writes bench/results/<name>.json and bench/results/<name>.png (reward against wall time and
+Writes bench/results/<name>.json, <name>.md (the per-mode table) and <name>.png (reward against wall time and
 against samples trained, every mode on one plot); each run stays in runs/<run>/ (its probe
 samples in probe.jsonl).
 """
@@ -251,6 +251,33 @@ def print_tables(runs: list[dict[str, Any]], agg: dict[str, Any]) -> None:
     )
 
 
+def markdown(agg: dict[str, Any]) -> str:
+    """The per-mode medians and the ratios as a Markdown table (for the README)."""
+    rows = [
+        "| mode | runs | time to target (s) | samples to target | final reward | trained samples/s "
+        "| generated tokens/s | trainer busy | inference idle | version lag mean / max | ESS mean / min |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, m in agg["modes"].items():
+        rows.append(
+            f"| {mode} | {m['runs']} | {fmt(m['time_to_target_s'], '.1f')} | {fmt(m['samples_at_target'], '.0f')} "
+            f"| {fmt(m['final_reward'])} | {fmt(m['trained_samples_per_s'], '.0f')} "
+            f"| {fmt(m['generated_tokens_per_s'], '.0f')} | {fmt(m['trainer_busy'])} | {fmt(m['inference_idle'])} "
+            f"| {fmt(m['version_lag_mean'])} / {fmt(m['version_lag_max'], '.0f')} "
+            f"| {fmt(m['ess_mean'], '.3f')} / {fmt(m['ess_min'], '.2f')} |"
+        )
+    r = agg["ratios"]
+    rows += [
+        "",
+        f"Medians over repeats. Time to target, conventional / pipeline: "
+        f"**{fmt(r['time_to_target_conventional_over_pipeline'])}×** (pipeline-no-inflight / pipeline: "
+        f"{fmt(r['time_to_target_no_inflight_over_pipeline'])}×); trained samples/s, pipeline / conventional: "
+        f"{fmt(r['throughput_pipeline_over_conventional'])}×; samples to target, pipeline / conventional: "
+        f"{fmt(r['samples_to_target_pipeline_over_conventional'])}×.",
+    ]
+    return "\n".join(rows) + "\n"
+
+
 def plot(runs: list[dict[str, Any]], target: float, window: int, path: Path) -> None:
     import matplotlib
 
@@ -355,8 +382,10 @@ def main() -> int:
     print_tables(result["runs"], result)
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(result, indent=2))
+    out_md = out_json.with_suffix(".md")
+    out_md.write_text(markdown(result))
     plot(result["runs"], args.target, args.window, out_png)
-    print(f"\nwrote {out_json} and {out_png}")
+    print(f"\nwrote {out_json}, {out_md} and {out_png}")
     return 0 if all(r.get("rc") == 0 for r in result["runs"]) else 1
 
 

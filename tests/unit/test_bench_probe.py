@@ -128,3 +128,31 @@ def test_probe_attributes_cpu_to_the_launchers_children(probe: ModuleType, tmp_p
     # the child exited: its last figure is kept; parent + grandchild burnt ~0.6 s of CPU
     assert p.samples[-1]["cpu"]["trainer"] >= 0.4
     assert p.samples[-1]["machine_s"] > p.samples[0]["machine_s"]
+
+
+def test_comparison_ratios_and_markdown(probe: ModuleType) -> None:
+    """`bench/pipeline_vs_conventional.py` turns analysed runs into medians, ratios and a table."""
+    sys.path.insert(0, str(PROBE_PATH.parent))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "pvc", PROBE_PATH.parent / "pipeline_vs_conventional.py"
+        )
+        assert spec is not None and spec.loader is not None
+        pvc = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(pvc)
+    finally:
+        sys.path.remove(str(PROBE_PATH.parent))
+    timeline, samples = synthetic_run()
+    base = probe.analyze(timeline, samples, target=0.5, window=3)
+    runs = [
+        {**base, "mode": "conventional", "repeat": 1, "time_to_target_s": 20.0, "version_lag_max": 0},
+        {**base, "mode": "pipeline", "repeat": 1, "time_to_target_s": 10.0},
+        {**base, "mode": "pipeline", "repeat": 2, "time_to_target_s": 12.0, "version_lag_max": 3.0},
+    ]
+    agg = pvc.aggregate(runs, target=0.5)
+    assert agg["modes"]["pipeline"]["time_to_target_s"] == pytest.approx(11.0)  # median of repeats
+    assert agg["ratios"]["time_to_target_conventional_over_pipeline"] == pytest.approx(20 / 11)
+    assert agg["goal"]["time_ok"] and not agg["goal"]["max_lag_ok"]  # 11/20 <= 0.55; a lag of 3 > 2
+    table = pvc.markdown(agg)
+    assert "| pipeline | 2 | 11.0 |" in table and "**1.82×**" in table
+    assert "pipeline-no-inflight" not in table.split("\n\n")[0]  # only the modes that ran
