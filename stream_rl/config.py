@@ -274,7 +274,11 @@ class RunConfig(Model):
     """`pipeline`: in-flight updates, admission bounded by max_lag. `conventional`: one step's worth
     of samples per version, updates only between batches (the paper's baseline)."""
     in_flight_updates: bool = True
-    """Update weights while sequences decode (else servers finish running sequences first)."""
+    """Update weights while sequences decode (PipelineRL). False: the servers the launcher starts
+    (`stream-rl serve --swap-policy between_sequences`) hold admission once an update arrives, let
+    the running sequences finish on the old weights, then install it, so every sequence is sampled
+    by one version; the trainer's push waits for that drain. Servers in `inference.servers` are
+    started by the user, with the flag of their choice."""
     seed: int = 0
     """Global seed (loader order, sampling)."""
     runs_dir: str = "runs"

@@ -127,6 +127,8 @@ class Launcher:
                     str(inf.max_batch),
                     "--kv-policy",
                     inf.kv_policy,
+                    "--swap-policy",
+                    "in_flight" if cfg.in_flight_updates else "between_sequences",
                     "--threads",
                     str(inf.torch_threads),
                     "--seed",

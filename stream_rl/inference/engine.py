@@ -17,6 +17,16 @@ One thread runs the decode loop; callers `submit()` requests from any thread and
 Running sequences keep their slot's KV cache across a swap under the default `kv_policy="keep"`
 (PipelineRL's in-flight semantics). Sampling semantics: sampling.py; result semantics: sequence.py.
 
+Swap policy (`swap_policy`): `in_flight` (default) installs a pending swap at the next step
+boundary, running sequences included. `between_sequences` (updates without in-flight semantics)
+stops admitting new sequences once a swap is pending, lets the running ones finish on the old
+weights, installs the swap when none is running, then resumes admission: every sequence then
+carries a single version span, and `stall_ms` measures the whole drain (from the swap request to
+the new weights in force), the time admission was held.
+
+`EngineStats.busy_s` is the time spent inside `step()` (the loop sleeps when there is nothing to
+do), so `1 - Δbusy_s / Δt` is the engine's idle fraction over any interval.
+
 Use alone: `Engine.load("models/tiny").generate([[4, 9, 13]], SamplingParams(max_tokens=8))`.
 """
 
@@ -42,6 +52,8 @@ from stream_rl.inference.sequence import Request, RequestResult, SamplingParams
 logger = logging.getLogger(__name__)
 
 KvPolicy = Literal["keep", "recompute"]
+SwapPolicy = Literal["in_flight", "between_sequences"]
+SWAP_POLICIES: tuple[SwapPolicy, ...] = ("in_flight", "between_sequences")
 
 
 class EngineStopped(InferenceError):
@@ -65,6 +77,8 @@ class EngineStats:
     steps: int
     tokens_per_s: float
     alive: bool
+    busy_s: float
+    """Seconds spent in `step()` since the engine was built (decoding, prefilling, swapping)."""
 
 
 @dataclass
@@ -72,6 +86,8 @@ class _Swap:
     version: int
     tensors: dict[str, torch.Tensor]
     future: concurrent.futures.Future[SwapResult]
+    requested: float = 0.0
+    """`time.perf_counter()` when the swap was requested (start of a between-sequences drain)."""
 
 
 class Engine:
@@ -82,6 +98,7 @@ class Engine:
         *,
         max_batch: int = 64,
         kv_policy: KvPolicy = "keep",
+        swap_policy: SwapPolicy = "in_flight",
         seed: int | None = None,
         prefill_tokens: int = 8192,
         version: int = 0,
@@ -96,6 +113,11 @@ class Engine:
         self.device = next(model.parameters()).device
         self.max_batch = max_batch
         self.kv_policy = kv_policy
+        if swap_policy not in SWAP_POLICIES:
+            raise InferenceError(
+                f"swap_policy must be one of {', '.join(SWAP_POLICIES)}, got {swap_policy!r}"
+            )
+        self.swap_policy = swap_policy
         self.admit_batch = admit_batch or max(1, max_batch // 8)
         self.admit_wait = admit_wait
         self._deferred = 0
@@ -123,6 +145,7 @@ class Engine:
         self._generated = 0
         self._finished = 0
         self._steps = 0
+        self._busy_s = 0.0
         self._rate: collections.deque[tuple[float, int]] = collections.deque()
 
     @classmethod
@@ -208,7 +231,7 @@ class Engine:
                 raise InferenceError("a weight swap is already pending")
             if self._error is not None or self._stopping:
                 raise EngineStopped("the engine is not running")
-            self._swap = _Swap(version, tensors, future)
+            self._swap = _Swap(version, tensors, future, requested=time.perf_counter())
             self._cond.notify_all()
         return future
 
@@ -228,6 +251,7 @@ class Engine:
                 steps=self._steps,
                 tokens_per_s=rate,
                 alive=self.alive,
+                busy_s=self._busy_s,
             )
 
     # -- the loop (engine thread) -----------------------------------------------------------------
@@ -250,6 +274,7 @@ class Engine:
 
     def step(self) -> None:
         """One iteration: swap, admit, decode, retire (call from one thread only)."""
+        started = time.perf_counter()
         self._install_swap()
         self._admit()
         self._retire()  # sequences done after their first token (eos, max_tokens=1)
@@ -258,9 +283,11 @@ class Engine:
             self._retire()
         self._steps += 1
         now = time.monotonic()
-        self._rate.append((now, self._generated))
-        while now - self._rate[0][0] > 5.0:
-            self._rate.popleft()
+        with self._cond:
+            self._busy_s += time.perf_counter() - started
+            self._rate.append((now, self._generated))
+            while now - self._rate[0][0] > 5.0:
+                self._rate.popleft()
 
     def _fail_all(self, error: InferenceError) -> None:
         with self._cond:
@@ -275,12 +302,18 @@ class Engine:
         if swap is not None and not swap.future.done():
             swap.future.set_exception(error)
 
+    def _draining(self) -> bool:
+        """A swap waits for the running sequences to finish (between_sequences): admit nothing."""
+        return self._swap is not None and self.swap_policy == "between_sequences"
+
     def _install_swap(self) -> None:
         with self._cond:
+            if self._draining() and self.batch.running:
+                return  # the running sequences finish on the old weights first
             swap, self._swap = self._swap, None
         if swap is None:
             return
-        start = time.perf_counter()
+        start = swap.requested if self.swap_policy == "between_sequences" else time.perf_counter()
         replaced = self.parameters.install(swap.tensors)
         if self.kv_policy == "recompute" and self.batch.running:
             self.batch.recompute()
@@ -292,7 +325,7 @@ class Engine:
         admitted: list[Request] = []
         free = self.max_batch - len(self.batch)
         with self._cond:
-            if not self._waiting or self._waiting[0].params.n > free:
+            if self._draining() or not self._waiting or self._waiting[0].params.n > free:
                 return
             # Each prefill is a forward pass of its own (~1 ms of fixed overhead on CPU), so while
             # others decode, wait for a few free slots rather than prefilling one prompt per step;

@@ -3,7 +3,8 @@ process in tests). Engine figures are read at scrape time; update timings are ob
 update completes.
 
 Series: `stream_rl_inference_running`, `_waiting` (sequences), `_tokens_per_second` (last ~5 s),
-`_generated_tokens_total`, `_finished_requests_total`, `_weight_version`, `_engine_up`,
+`_generated_tokens_total`, `_finished_requests_total`, `_busy_seconds_total` (time the decode loop
+spent working: `1 - rate(busy)` is the engine's idle fraction), `_weight_version`, `_engine_up`,
 `_requests_total{endpoint,status}`, `_weight_update_receive_seconds`, `_weight_update_stall_seconds`,
 `_weight_updates_total{outcome}`.
 """
@@ -38,6 +39,9 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(f"{PREFIX}_generated_tokens", "Tokens generated", value=s.generated_tokens)
         yield CounterMetricFamily(
             f"{PREFIX}_finished_requests", "Requests completed", value=s.finished_requests
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_busy_seconds", "Seconds the decode loop spent working (not waiting)", value=s.busy_s
         )
 
 

@@ -35,7 +35,7 @@ from stream_rl.config import InferenceConfig, ModelConfig, format_validation_err
 from stream_rl.errors import ConfigError, StreamRLError
 from stream_rl.inference import openai_routes, weights_routes
 from stream_rl.inference.context import APIError, ReceiverFactory, ServerContext, validation_message
-from stream_rl.inference.engine import Engine
+from stream_rl.inference.engine import SWAP_POLICIES, Engine, SwapPolicy
 from stream_rl.inference.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -137,8 +137,10 @@ def run(
     port: int,
     port_file: str | None = None,
     served_model_name: str | None = None,
+    swap_policy: SwapPolicy = "in_flight",
 ) -> None:
-    """Load the model, bind `inference.host:port` (0 = any free port) and serve until SIGTERM/SIGINT."""
+    """Load the model, bind `inference.host:port` (0 = any free port) and serve until SIGTERM/SIGINT.
+    `swap_policy`: when weight updates take effect (engine.py: in flight, or between sequences)."""
     import torch
     import uvicorn
 
@@ -149,6 +151,7 @@ def run(
         dtype=model.dtype,
         max_batch=inference.max_batch,
         kv_policy=inference.kv_policy,
+        swap_policy=swap_policy,
         seed=inference.seed,
     )
     token = inference.admin_token.get_secret_value() if inference.admin_token else None
@@ -170,13 +173,14 @@ def run(
         tmp.write_text(f"{bound}\n")
         tmp.replace(port_file)  # atomic: a reader never sees a partial number
     logger.info(
-        "serving %s on http://%s:%d (device %s, max batch %d, kv policy %s)",
+        "serving %s on http://%s:%d (device %s, max batch %d, kv policy %s, swap policy %s)",
         model.path,
         inference.host,
         bound,
         inference.device,
         inference.max_batch,
         inference.kv_policy,
+        swap_policy,
     )
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
     # uvicorn drains on SIGTERM, then re-raises the signal under the handler found at start;
@@ -202,6 +206,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-batch", type=int, default=d.max_batch, help="sequences decoded together")
     parser.add_argument("--kv-policy", default=d.kv_policy, choices=["keep", "recompute"])
+    parser.add_argument(
+        "--swap-policy",
+        default="in_flight",
+        choices=SWAP_POLICIES,
+        help="in_flight: new weights at the next decode step (running sequences included); "
+        "between_sequences: hold admission, let running sequences finish, then swap",
+    )
     parser.add_argument("--threads", type=int, default=d.torch_threads, help="torch intra-op threads")
     parser.add_argument("--served-model-name", help="model id in responses (default: the directory name)")
     parser.add_argument(
@@ -232,5 +243,6 @@ def main_serve(args: argparse.Namespace) -> int:
         port=args.port,
         port_file=args.port_file,
         served_model_name=args.served_model_name,
+        swap_policy=args.swap_policy,
     )
     return 0

@@ -149,6 +149,9 @@ class KafkaProducer:
         self._p.flush(5.0)
 
 
+STATIC_SESSION_TIMEOUT_MS = 30000
+
+
 class KafkaConsumer:
     """Manual-commit, read_committed consumer with cooperative rebalancing."""
 
@@ -289,7 +292,13 @@ class KafkaTransport:
         return KafkaProducer(self.bootstrap, client_id, transactional_id)
 
     def consumer(self, group_id: str | None, client_id: str, instance_id: str | None = None) -> KafkaConsumer:
-        extra = {"group.instance.id": instance_id} if instance_id and group_id else None
+        extra: dict[str, Any] | None = None
+        if instance_id and group_id:
+            # A static member that misses its session is fenced on its next commit, a fatal error
+            # for librdkafka (the stage dies). A restart under the same id takes over at once, so a
+            # long session costs nothing there; a short one killed stages whose process or broker
+            # was starved of CPU for 6 s (seen on a 2-core machine with pinned CPUs).
+            extra = {"group.instance.id": instance_id, "session.timeout.ms": STATIC_SESSION_TIMEOUT_MS}
         return KafkaConsumer(self.bootstrap, group_id, client_id, extra)
 
     def partitions(self, topic: str, timeout: float = 10.0) -> list[int]:

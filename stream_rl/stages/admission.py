@@ -27,9 +27,17 @@ position q (0-based, trained and filtered samples counted) is trained with weigh
 (A ≤ R_k + B − g then), groups admitted while G generates (the straggler guard keeps
 A ≤ R_k + B), and groups admitted after G's samples were produced that overtake them in the
 verifier or preprocessor. Without that last kind, q < R_k + B = R_k + (L + 1)·S, so the weights
-are ≤ k + L and the lag ≤ L. Overtaking after production needs one partition of raw-rollouts or
-scored to fall a whole generation behind another (both stages read each partition in order);
-the trainer measures the lag of every sample, so a violation would show.
+are ≤ k + L and the lag ≤ L. The last kind is real: groups are keyed to different partitions of
+`raw-rollouts` and `scored`, so a group admitted just after G finished generating (a short
+answer) can be scored and batched before G when G's partition is read a little later. When the
+trainer is the bottleneck the window is always full, and one such overtaking at a step boundary
+trains G at lag L + 1. Measured (`bench/pipeline_vs_conventional.py`, CPU demo, trainer-bound):
+one group of 8 samples (two in one run) at lag 3 with L = 2 in each of 4 of 5 pipeline runs of
+12,800 samples, about 0.1% of samples; none in 4 runs of the `small` model. The bound is
+therefore an admission bound, as PipelineRL's `max_lag` is (its too-old samples are counted,
+not dropped); the trainer measures and reports every sample's lag (`version_lag_max`). Making it
+strict needs the actor to learn when a group is trained, or the trainer to take the oldest
+samples of its backlog first; neither is built.
 
 **Conventional** (`mode: conventional`): the same rule with L = 0 and B = S (a multiple of g, the
 config checks it). The actor admits exactly S samples; then `A = R + S` blocks admission until

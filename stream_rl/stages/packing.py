@@ -1,8 +1,12 @@
 """Packing training samples into micro-batches (`TrainingBatch` records).
 
 - Whole samples only, at most `max_tokens` tokens (prompt + completion) and `max_samples` samples
-  per micro-batch, first-fit decreasing (longest first, each into the first batch it fits; ties keep arrival order, so the
-  packing is deterministic). A sample longer than the budget travels alone.
+  per micro-batch, **in arrival order** (next fit: a batch is closed when the next sample does not
+  fit; a sample longer than the budget travels alone). Order matters more than fill here: the
+  trainer steps once per `samples_per_step` samples of the stream, so a sample packed behind
+  younger ones can fall into the next step and exceed the lag bound (first-fit decreasing did
+  that once a backlog formed: lag 3 with `max_lag: 2`). The trainer packs its rows itself
+  (`stream_rl/train/packing.py`), so the micro-batches' fill costs nothing but record count.
 - Each encoded record stays under `max_bytes`: a pack whose encoding is larger is split in
   halves until it fits (a single sample that is still larger travels alone and is logged; the
   topic accepts up to its `max.message.bytes`).
@@ -23,23 +27,20 @@ from stream_rl.contracts import TrainingBatch, TrainingSample
 log = logging.getLogger(__name__)
 
 
-def first_fit_decreasing(sizes: list[int], budget: int, max_items: int | None = None) -> list[list[int]]:
-    """Indices grouped into bins of total size <= budget and at most `max_items` items (an item
-    over budget gets its own bin)."""
-    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+def next_fit(sizes: list[int], budget: int, max_items: int | None = None) -> list[list[int]]:
+    """Consecutive runs of indices, in order, each of total size <= budget and at most
+    `max_items` items (an item over budget gets its own bin)."""
     bins: list[list[int]] = []
-    loads: list[int] = []
-    for i in order:
-        size = sizes[i]
-        for b, load in enumerate(loads):
-            if load + size <= budget and (max_items is None or len(bins[b]) < max_items):
-                bins[b].append(i)
-                loads[b] += size
-                break
-        else:
+    load = 0
+    for i, size in enumerate(sizes):
+        full = max_items is not None and bool(bins) and len(bins[-1]) >= max_items
+        if not bins or full or load + size > budget:
             bins.append([i])
-            loads.append(size)
-    return [sorted(b) for b in bins]
+            load = size
+        else:
+            bins[-1].append(i)
+            load += size
+    return bins
 
 
 def batch_id(keys: list[str]) -> str:
@@ -87,7 +88,7 @@ def pack(
         return TrainingBatch(batch_id=batch_id(ids), run_id=run_id, samples=part, producer_id=producer_id)
 
     out: list[tuple[TrainingBatch, bytes]] = []
-    for b in first_fit_decreasing([len(s.input_ids) for s in samples], max_tokens, max_samples):
+    for b in next_fit([len(s.input_ids) for s in samples], max_tokens, max_samples):
         out.extend(_fit([samples[i] for i in b], build, max_bytes, encode))
     if num_filtered:
         if not out:

@@ -204,7 +204,14 @@ def test_health_models_and_metrics(server: ServerThread) -> None:
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["version"] == 0
     httpx.post(f"{server.url}/v1/completions", json={"prompt": [4, 5], "max_tokens": 3})
     text = httpx.get(f"{server.url}/metrics").text
-    for series in ("running", "waiting", "tokens_per_second", "weight_version", "generated_tokens_total"):
+    for series in (
+        "running",
+        "waiting",
+        "tokens_per_second",
+        "weight_version",
+        "generated_tokens_total",
+        "busy_seconds_total",
+    ):
         assert f"stream_rl_inference_{series}" in text
     assert 'stream_rl_inference_requests_total{endpoint="completions",status="200"}' in text
     assert "stream_rl_inference_weight_update_stall_seconds_count" in text

@@ -4,6 +4,7 @@ continuous batching changes nothing, stop/eos/length, n > 1, seeds, in-flight we
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,65 @@ def test_generation_stops_at_the_models_maximum_length(model, tokenizer) -> None
     seq = engine.generate([PROMPTS[2]], greedy(100))[0].sequences[0]
     engine.stop()
     assert seq.finish_reason == "length" and len(PROMPTS[2]) + len(seq.token_ids) == 48
+
+
+def test_between_sequences_swap_drains_running_sequences_first(model, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Without in-flight updates: a sequence started before the swap finishes on the old weights
+    (one version span); a request submitted during the drain waits, then starts on the new ones."""
+    new_weights = random_weights(model, seed=4)
+    reference = copy.deepcopy(model)
+    load_weights(reference, new_weights)
+    engine = Engine(model, tokenizer, max_batch=4, swap_policy="between_sequences")
+    long = engine.submit(PROMPTS[2], greedy(30))
+    with torch.inference_mode():
+        for _ in range(5):
+            engine.step()
+        swap = engine.swap_weights(3, {engine.parameters.canonical(n): t.clone() for n, t in new_weights})
+        engine.step()
+        late = engine.submit(PROMPTS[0], greedy(12))  # arrives during the drain
+        for _ in range(5):
+            engine.step()
+        # the drain holds admission although slots are free, and the old weights stay in force
+        assert not swap.done() and engine.version == 0
+        assert engine.stats().running == 1 and engine.stats().waiting == 1
+    run_until_done(engine, [long, late])
+    first, second = long.result().sequences[0], late.result().sequences[0]
+    assert first.version_spans == [VersionSpan(0, 0)] and len(first.token_ids) == 30
+    assert second.version_spans == [VersionSpan(3, 0)]
+    assert second.token_ids == hf_greedy(reference, PROMPTS[0], 12)  # decoded by the new weights
+    result = swap.result()
+    assert result.version == 3 and engine.version == 3
+    assert result.stall_ms > 0  # the drain: from the swap request to the new weights in force
+
+
+def test_in_flight_swap_does_not_hold_admission(model, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    engine = Engine(model, tokenizer, max_batch=4)  # swap_policy="in_flight"
+    new = {engine.parameters.canonical(n): t for n, t in random_weights(model, seed=5)}
+    long = engine.submit(PROMPTS[2], greedy(30))
+    with torch.inference_mode():
+        engine.step()
+        before = len(engine.batch.running[0].tokens)
+        swap = engine.swap_weights(5, new)
+        late = engine.submit(PROMPTS[0], greedy(4))
+        engine.step()
+        assert swap.done() and engine.stats().running == 2  # installed at once, late admitted
+    run_until_done(engine, [long, late])
+    assert long.result().sequences[0].version_spans == [VersionSpan(0, 0), VersionSpan(5, before)]
+    assert late.result().sequences[0].version_spans == [VersionSpan(5, 0)]
+
+
+def test_busy_time_counts_steps_not_idle_waits(model, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    engine = Engine(model, tokenizer, max_batch=4)
+    assert engine.stats().busy_s == 0.0
+    started = time.perf_counter()
+    engine.generate(PROMPTS, greedy(16))
+    busy = engine.stats().busy_s
+    assert 0 < busy <= time.perf_counter() - started
+    time.sleep(0.1)  # idle: the loop waits on its condition, no step runs
+    assert engine.stats().busy_s == busy
+    engine.stop()
+
+
+def test_unknown_swap_policy_is_refused(model, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(InferenceError, match="swap_policy"):
+        Engine(model, tokenizer, swap_policy="sometimes")  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""Packing: first-fit decreasing under a token budget, byte limits, the filtered count."""
+"""Packing: in arrival order under a token budget, byte limits, the filtered count."""
 
 from __future__ import annotations
 
@@ -8,20 +8,40 @@ import pytest
 
 from stream_rl.contracts import TrainingBatch
 from stream_rl.kafka.serde import default_serde
-from stream_rl.stages.packing import batch_id, first_fit_decreasing, pack
+from stream_rl.stages.packing import batch_id, next_fit, pack
 from stream_rl.testing import make_scored, make_training_sample
 
 pytestmark = pytest.mark.unit
 
 
-def test_first_fit_decreasing() -> None:
-    sizes = [5, 9, 3, 7, 2, 12]
-    bins = first_fit_decreasing(sizes, 10)
-    assert sorted(i for b in bins for i in b) == list(range(6))
+def test_next_fit_keeps_arrival_order() -> None:
+    sizes = [5, 9, 3, 7, 2, 12, 1]
+    bins = next_fit(sizes, 10)
+    assert [i for b in bins for i in b] == list(range(7))  # in order, each once
     assert all(sum(sizes[i] for i in b) <= 10 for b in bins if len(b) > 1)
-    assert [5] in bins  # 12 > budget: alone
-    # FFD: 12 | 9 | 7+3 | 5+2 -> 4 bins
-    assert sorted(map(sorted, bins)) == [[0, 4], [1], [2, 3], [5]]
+    # 5 | 9 | 3+7 | 2 | 12 (over budget: alone) | 1
+    assert bins == [[0], [1], [2, 3], [4], [5], [6]]
+
+
+def test_pack_never_puts_a_sample_behind_a_younger_one() -> None:
+    """The trainer steps every S samples of the stream: a sample packed behind later arrivals can
+    fall into the next step (a lag over the bound). Lengths that first-fit decreasing reorders."""
+    ss = [
+        make_training_sample(make_scored(i, 0, completion_len=2 + (i * 7) % 5, prompt_len=4))
+        for i in range(40)
+    ]
+    out = pack(
+        ss,
+        max_tokens=30,
+        max_bytes=1_000_000,
+        num_filtered=0,
+        max_samples=8,
+        filtered_keys=[],
+        encode=default_serde().encode,
+        run_id="r",
+        producer_id="p",
+    )
+    assert [s.rollout_id for b, _ in out for s in b.samples] == [s.rollout_id for s in ss]
 
 
 def samples(n: int, length: int = 8):  # type: ignore[no-untyped-def]
@@ -108,9 +128,7 @@ def test_batches_are_split_to_stay_under_the_byte_limit() -> None:
     assert b.num_samples == 1 and len(data) > 100
 
 
-def test_first_fit_decreasing_caps_items_per_bin() -> None:
-    from stream_rl.stages.packing import first_fit_decreasing
-
-    bins = first_fit_decreasing([10] * 20, budget=1000, max_items=8)
+def test_next_fit_caps_items_per_bin() -> None:
+    bins = next_fit([10] * 20, budget=1000, max_items=8)
     assert [len(b) for b in bins] == [8, 8, 4]
-    assert sorted(i for b in bins for i in b) == list(range(20))
+    assert [i for b in bins for i in b] == list(range(20))

@@ -1,0 +1,158 @@
+"""bench/run_probe.py: the figures of the pipeline-vs-conventional benchmark, from a synthetic
+timeline and probe samples, and the /proc sampling on real processes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+PROBE_PATH = Path(__file__).resolve().parents[2] / "bench" / "run_probe.py"
+
+
+@pytest.fixture(scope="module")
+def probe() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("run_probe", PROBE_PATH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_roles_and_moving_mean(probe: ModuleType) -> None:
+    assert [probe.role_of(n) for n in ("actor-0", "server-12", "trainer", "pre-x")] == [
+        "actor",
+        "server",
+        "trainer",
+        "pre-x",
+    ]
+    assert probe.centered_mean([0.0, 3.0, 6.0, 9.0], 3) == [1.5, 3.0, 6.0, 7.5]
+
+
+def test_time_to_target_uses_the_centred_mean(probe: ModuleType) -> None:
+    curve = [(1.0, 0.1), (2.0, 0.9), (3.0, 0.1), (4.0, 0.6), (5.0, 0.8), (6.0, 0.9)]
+    # one lucky version (0.9 at t=2) does not count; the smoothed curve reaches 0.7 at t=5
+    assert probe.time_to_target(curve, 0.7, 3) == 5.0
+    assert probe.time_to_target(curve, 0.95, 3) is None
+
+
+def test_interpolation_of_cumulative_series(probe: ModuleType) -> None:
+    points = [(10.0, 0.0), (12.0, 4.0), (14.0, 4.0)]
+    assert probe.interpolate(points, 11.0) == 2.0
+    assert probe.interpolate(points, 5.0) == 0.0 and probe.interpolate(points, 99.0) == 4.0
+    assert probe.delta(points, 11.0, 13.0) == 2.0
+    assert probe.interpolate([], 1.0) is None
+
+
+def synthetic_run() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Version 0 at t=100 s, then one version every 2 s with reward 0.1 v; the trainer computes
+    0.5 s per step; the engine is busy 1.5 s of every 2; the actor writes 64 samples per step."""
+    timeline: list[dict[str, Any]] = [{"t": 0.0, "kind": "start", "wall_time": 90.0}]
+    samples = []
+    for v in range(11):
+        t = 100.0 + 2 * v
+        record = {"kind": "version", "version": v, "created_ms": t * 1000, "samples_trained": 64 * v}
+        if v:
+            record |= {
+                "reward_mean": 0.1 * v,
+                "compute_s": 0.5,
+                "broadcast_ms": 100.0,
+                "step_s": 2.0,
+                "version_lag_mean": 0.5,
+                "version_lag_max": float(v % 3),
+                "ess": 0.9 + 0.01 * v,
+            }
+        timeline.append(record)
+        timeline.append({"t": t - 90.0, "kind": "offsets", "offsets": {"actor": 64 * v}})
+        samples.append(
+            {
+                "t": t,
+                "cpu": {"trainer": 0.25 * v, "actor": 1.0 * v},
+                "machine_s": 3.0 * v,
+                "server": {"busy_s": 1.5 * v, "generated_tokens": 400.0 * v},
+            }
+        )
+    return timeline, samples
+
+
+def test_analyze_figures_over_the_training_window(probe: ModuleType) -> None:
+    timeline, samples = synthetic_run()
+    r = probe.analyze(timeline, samples, target=0.5, window=3)
+    assert r["versions"] == 10 and r["window_s"] == pytest.approx(20.0)
+    # centred mean of (0.4, 0.5, 0.6) at version 5, published 10 s after version 0
+    assert r["time_to_target_s"] == pytest.approx(10.0) and r["version_at_target"] == 5
+    assert r["samples_at_target"] == 320
+    assert r["final_reward"] == pytest.approx(0.9)
+    assert r["trained_samples_per_s"] == pytest.approx(32.0)
+    assert r["generated_samples_per_s"] == pytest.approx(32.0)
+    assert r["trainer_busy"] == pytest.approx(0.25) and r["trainer_broadcast"] == pytest.approx(0.05)
+    assert r["inference_idle"] == pytest.approx(0.25)
+    assert r["generated_tokens_per_s"] == pytest.approx(200.0)
+    assert r["version_lag_mean"] == 0.5 and r["version_lag_max"] == 2.0
+    assert r["ess_min"] == pytest.approx(0.91) and r["ess_mean"] == pytest.approx(0.955)
+    assert r["cpu_cores"] == {"actor": 0.5, "trainer": 0.125}
+    assert r["cpu_s_per_step"] == {"actor": 1.0, "trainer": 0.25}
+    assert r["samples_per_cpu_s"] == pytest.approx(640 / 12.5) and r["cpu_s_to_target"] == pytest.approx(6.25)
+    assert r["machine_cores_busy"] == pytest.approx(1.5) and r["other_work_cores"] == pytest.approx(0.875)
+    assert len(r["curve"]) == 10 and r["curve"][0] == {"t": 2.0, "version": 1, "samples": 64, "reward": 0.1}
+
+
+def test_analyze_without_updates_says_so(probe: ModuleType) -> None:
+    timeline, _ = synthetic_run()
+    assert "error" in probe.analyze(timeline[:2], [], target=0.5, window=3)
+
+
+def test_probe_attributes_cpu_to_the_launchers_children(probe: ModuleType, tmp_path: Path) -> None:
+    """A child listed in processes.json and the grandchild it starts both count for its role."""
+    burn = "import time; t = time.process_time(); exec('while time.process_time() - t < 0.3: pass')"
+    code = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {burn!r}]); {burn}"
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        (tmp_path / "processes.json").write_text(json.dumps({"pids": {"trainer": child.pid}, "servers": []}))
+        p = probe.RunProbe(tmp_path, launcher_pid=os.getpid(), broker_dir=tmp_path / "no-broker")
+        while child.poll() is None:
+            p.sample()
+            time.sleep(0.05)
+    finally:
+        child.wait()
+    # the child exited: its last figure is kept; parent + grandchild burnt ~0.6 s of CPU
+    assert p.samples[-1]["cpu"]["trainer"] >= 0.4
+    assert p.samples[-1]["machine_s"] > p.samples[0]["machine_s"]
+
+
+def test_comparison_ratios_and_markdown(probe: ModuleType) -> None:
+    """`bench/pipeline_vs_conventional.py` turns analysed runs into medians, ratios and a table."""
+    sys.path.insert(0, str(PROBE_PATH.parent))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "pvc", PROBE_PATH.parent / "pipeline_vs_conventional.py"
+        )
+        assert spec is not None and spec.loader is not None
+        pvc = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(pvc)
+    finally:
+        sys.path.remove(str(PROBE_PATH.parent))
+    timeline, samples = synthetic_run()
+    base = probe.analyze(timeline, samples, target=0.5, window=3)
+    runs = [
+        {**base, "mode": "conventional", "repeat": 1, "time_to_target_s": 20.0, "version_lag_max": 0},
+        {**base, "mode": "pipeline", "repeat": 1, "time_to_target_s": 10.0},
+        {**base, "mode": "pipeline", "repeat": 2, "time_to_target_s": 12.0, "version_lag_max": 3.0},
+    ]
+    agg = pvc.aggregate(runs, target=0.5)
+    assert agg["modes"]["pipeline"]["time_to_target_s"] == pytest.approx(11.0)  # median of repeats
+    assert agg["ratios"]["time_to_target_conventional_over_pipeline"] == pytest.approx(20 / 11)
+    assert agg["goal"]["time_ok"] and not agg["goal"]["max_lag_ok"]  # 11/20 <= 0.55; a lag of 3 > 2
+    table = pvc.markdown(agg)
+    assert "| pipeline | 2 | 11.0 |" in table and "**1.82×**" in table
+    assert "pipeline-no-inflight" not in table.split("\n\n")[0]  # only the modes that ran
