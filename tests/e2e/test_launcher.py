@@ -191,8 +191,10 @@ def test_with_restart_a_killed_actor_is_restarted_and_no_sample_is_trained_twice
     tmp_path: Path, model_dir: Path, kafka_bootstrap: str, kafka: KafkaTransport
 ) -> None:
     run = f"e2e{os.getpid()}c"
+    # Enough steps that the actor is still needed after the kill: it runs at most max_lag + 1 steps
+    # ahead, and a step takes a fraction of a second while the kill waits for version 1.
     config = write_config(
-        tmp_path, model_dir, kafka_bootstrap, run, trainer__max_steps=6, launcher__restart=True
+        tmp_path, model_dir, kafka_bootstrap, run, trainer__max_steps=20, launcher__restart=True
     )
     proc = launch(config)
     try:
