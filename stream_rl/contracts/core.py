@@ -1,0 +1,97 @@
+"""What every contract shares: the record protocol, enums, version spans, validation helpers."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, ClassVar, Protocol, Self
+
+from stream_rl.errors import ContractError
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Verdict(StrEnum):
+    CORRECT = "correct"
+    WRONG = "wrong"
+    NO_ANSWER = "no_answer"
+    UNPARSABLE = "unparsable"
+    ERROR = "error"
+    TIMEOUT = "timeout"
+
+
+class WeightVersionKind(StrEnum):
+    INIT = "init"
+    UPDATE = "update"
+    FINAL = "final"
+
+
+class Contract(Protocol):
+    SCHEMA: ClassVar[str]
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Self: ...
+
+    def validate(self) -> None: ...
+
+
+def require(cond: bool, what: str) -> None:
+    if not cond:
+        raise ContractError(what)
+
+
+@dataclass(slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"role": self.role, "content": self.content}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ChatMessage:
+        return cls(role=d["role"], content=d["content"])
+
+
+@dataclass(slots=True)
+class VersionSpan:
+    """Completion tokens from index `start` on (until the next span) came from weights `version`."""
+
+    version: int
+    start: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "start": self.start}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> VersionSpan:
+        return cls(version=d["version"], start=d["start"])
+
+
+def validate_spans(spans: list[VersionSpan], length: int, what: str) -> None:
+    """Spans start at 0 (when there are tokens) and strictly increase in start. Versions normally
+    increase along a sequence, but may go down: a trainer restarted from a checkpoint re-installs
+    its (older, bit-identical) version on the servers while sequences are decoding."""
+    if length == 0:
+        require(all(s.start == 0 for s in spans), f"{what}: spans on an empty completion must start at 0")
+        return
+    require(bool(spans), f"{what}: version_spans is empty for {length} tokens")
+    require(spans[0].start == 0, f"{what}: first version span must start at 0")
+    for a, b in zip(spans, spans[1:], strict=False):
+        require(b.start > a.start, f"{what}: version span starts must increase")
+        require(b.version != a.version, f"{what}: consecutive version spans carry the same version")
+    require(spans[-1].start < length, f"{what}: version span starts past the end")
+
+
+def token_versions(spans: list[VersionSpan], length: int) -> list[int]:
+    """The version of each of `length` tokens."""
+    out: list[int] = []
+    for i, span in enumerate(spans):
+        end = spans[i + 1].start if i + 1 < len(spans) else length
+        out.extend([span.version] * (end - span.start))
+    return out
