@@ -16,13 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from stream_rl.errors import WeightSyncError
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+from stream_rl.weights.buckets import DTYPE_NAMES, DTYPES
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,7 @@ from stream_rl.rl.losses import LossOutput, policy_loss
 from stream_rl.rl.schedule import make_lr_lambda
 from stream_rl.rl.stats import TokenStats
 from stream_rl.train.packing import PackedBatch, pack_samples
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from stream_rl.weights.buckets import DTYPES
 
 
 def configure_determinism(deterministic: bool, seed: int, threads: int) -> None:

@@ -30,7 +30,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 """Wire dtype names and their torch dtypes: the only dtypes a weight update carries."""
 
-_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class TensorMeta:
 
     @classmethod
     def from_tensor(cls, name: str, tensor: torch.Tensor) -> TensorMeta:
-        dtype = _DTYPE_NAMES.get(tensor.dtype)
+        dtype = DTYPE_NAMES.get(tensor.dtype)
         if dtype is None:
             raise WeightSyncError(
                 f"tensor {name!r} has dtype {tensor.dtype}; weight updates carry only {', '.join(DTYPES)}"
