@@ -266,7 +266,7 @@ class Actor:
         seed = sample_seed(self.config.seed, rollout_id) if self.cfg.seeded_sampling else None
 
         async def call(server: Server) -> Rollout:
-            return await self.sampler.sample(
+            return await self.sampler.sample_conversation(
                 server.client, server.url, problem, index, self.cfg.group_size, seed
             )
 

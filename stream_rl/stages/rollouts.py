@@ -127,8 +127,9 @@ def rollout_from_turns(
 
 
 class Sampler:
-    """One sample of a problem on one server: a completion (single-turn) or a whole multi-turn
-    rollout, as a validated `Rollout` (a ContractError is the server's: the pool retries)."""
+    """Samples of a problem on one server, as validated `Rollout`s (a ContractError is the
+    server's: the pool retries): a whole single-turn group in one request (`sample_group`), or
+    one multi-turn rollout (`sample_conversation`)."""
 
     def __init__(self, task: Task, tokenizer: Any, sampling: SamplingConfig, actor_id: str) -> None:
         self.task = task
@@ -136,42 +137,26 @@ class Sampler:
         self.sampling = sampling
         self.actor_id = actor_id
 
-    async def sample(
+    async def sample_conversation(
         self, client: Any, server_id: str, problem: Problem, index: int, group_size: int, seed: int | None
     ) -> Rollout:
+        """Sample `index` of a multi-turn problem: the task drives the conversation."""
+        if self.tokenizer is None:
+            raise TaskError(f"task {self.task.name!r} is multi-turn: the actor needs the model's tokenizer")
         started, t0 = now_ms(), time.perf_counter()
-        if self.task.multi_turn:
-            if self.tokenizer is None:
-                raise TaskError(
-                    f"task {self.task.name!r} is multi-turn: the actor needs the model's tokenizer"
-                )
-            turns = TurnClient(client, self.tokenizer, seed)
-            result = await self.task.generate_rollout(turns, problem, self.sampling)
-            rollout = rollout_from_turns(
-                problem,
-                index,
-                group_size,
-                result,
-                actor_id=self.actor_id,
-                server_id=server_id,
-                started_ms=started,
-                finished_ms=now_ms(),
-                generation_ms=(time.perf_counter() - t0) * 1000,
-            )
-        else:
-            messages = [m.to_dict() for m in problem.prompt]
-            completion = await client.complete(messages, self.sampling, seed=seed)
-            rollout = rollout_from_completion(
-                problem,
-                index,
-                group_size,
-                completion,
-                actor_id=self.actor_id,
-                server_id=server_id,
-                started_ms=started,
-                finished_ms=now_ms(),
-                generation_ms=(time.perf_counter() - t0) * 1000,
-            )
+        turns = TurnClient(client, self.tokenizer, seed)
+        result = await self.task.generate_rollout(turns, problem, self.sampling)
+        rollout = rollout_from_turns(
+            problem,
+            index,
+            group_size,
+            result,
+            actor_id=self.actor_id,
+            server_id=server_id,
+            started_ms=started,
+            finished_ms=now_ms(),
+            generation_ms=(time.perf_counter() - t0) * 1000,
+        )
         rollout.validate()
         return rollout
 
