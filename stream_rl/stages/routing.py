@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from stream_rl.config import RunConfig
 from stream_rl.errors import ConfigError, InferenceError, StreamRLError
@@ -36,34 +36,28 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class ServerClient(Protocol):
-    """What the pool needs of a client: `health()` raising InferenceError when the server is down."""
-
-    async def health(self) -> Any: ...
-
-    async def aclose(self) -> None: ...
-
-
 ClientFactory = Callable[[str], Any]
-"""url -> client of that server (`complete`, `health`, `aclose`)."""
+"""url -> client of that server (`complete_many`, `complete`, `health`, `version`, `aclose`)."""
 
 
 def server_urls(config: RunConfig) -> list[str]:
-    """The inference servers of a run: `inference.servers`, else the ones the launcher starts."""
-    inf = config.inference
-    if inf.servers:
-        return [s.url for s in inf.servers]
-    if inf.num_servers <= 0:
+    """The inference servers of a run (`inference.server_list()`); at least one."""
+    urls = config.inference.server_urls()
+    if not urls:
         raise ConfigError("inference: no servers (set inference.servers or inference.num_servers)")
-    return [f"http://{inf.host}:{inf.base_port + i}" for i in range(inf.num_servers)]
+    return urls
 
 
 def inference_client_factory(config: RunConfig) -> ClientFactory:
-    """The real HTTP client of `stream_rl.inference.client`, one per server."""
-    from stream_rl.inference.client import InferenceClient
+    """The HTTP client of each server's engine (`stream_rl.inference.client.make_client`)."""
+    from stream_rl.inference.client import make_client
+
+    engines = {s.url: str(s.engine) for s in config.inference.server_list()}
 
     def make(url: str) -> Any:
-        return InferenceClient(url, timeout_s=config.actor.request_timeout_s)
+        return make_client(
+            engines.get(url, config.inference.engine), url, timeout_s=config.actor.request_timeout_s
+        )
 
     return make
 

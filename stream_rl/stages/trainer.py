@@ -58,7 +58,7 @@ from stream_rl.train.checkpoint import (
     save_checkpoint,
 )
 from stream_rl.train.lineage import by_version, read_weight_versions
-from stream_rl.train.push import PushOutcome, WeightPusher, connect_servers, make_sender, server_urls
+from stream_rl.train.push import PushOutcome, WeightPusher, connect_servers, make_sender
 from stream_rl.train.record import write_run_record
 from stream_rl.train.step import TrainerBackend, build_trainer
 
@@ -140,7 +140,7 @@ class TrainerStage:
         from stream_rl.weights.checksum import weights_checksum
 
         if self.pusher is not None:
-            expected = len(server_urls(self.config))
+            expected = len(self.config.inference.server_urls())
             now = time.monotonic()
             if len(self.pusher.live_servers) < expected and now - self._last_connect >= RECONNECT_EVERY_S:
                 self._last_connect = now

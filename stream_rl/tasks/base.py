@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from stream_rl.config import SamplingConfig
 from stream_rl.contracts import ChatMessage, Problem, Verdict, VersionSpan
 from stream_rl.errors import ConfigError, TaskError
+from stream_rl.inference.completion import Completion
 
 FINISH_LENGTH = "length"
 """The finish reason of a completion cut at max_tokens (overlong)."""
@@ -53,22 +54,6 @@ class TaskParams(BaseModel):
     model_config = ConfigDict(
         extra="forbid", validate_default=True, use_attribute_docstrings=True, frozen=True
     )
-
-
-@dataclass(slots=True)
-class Completion:
-    """One model call's result, as a `ModelClient` returns it."""
-
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    """Sampled tokens, end-of-sequence included when the model emitted it."""
-    logprobs: list[float]
-    """Behaviour logprob of each sampled token."""
-    version_spans: list[VersionSpan]
-    """Weight versions over `token_ids` (starts relative to this completion)."""
-    text: str
-    """Decoded completion without the end-of-sequence token."""
-    finish_reason: str
 
 
 @dataclass(slots=True)
@@ -93,6 +78,17 @@ class MultiTurnResult:
     """The environment's verdict and reward (the same `score(problem, text)` gives)."""
     turn_texts: list[str] = field(default_factory=list)
     """Each model call's text, for logs and tests."""
+
+    def completion(self) -> Completion:
+        """The whole sequence as one `Completion` (what the rollout is built from)."""
+        return Completion(
+            prompt_token_ids=self.prompt_token_ids,
+            token_ids=self.completion_token_ids,
+            logprobs=self.logprobs,
+            version_spans=self.version_spans,
+            text=self.text,
+            finish_reason=self.finish_reason,
+        )
 
 
 class ModelClient(Protocol):
