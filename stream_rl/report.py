@@ -95,6 +95,7 @@ def summarize(
         "version_lag": {
             "mean": _mean(metric("version_lag_mean")),
             "max": max(metric("version_lag_max"), default=None),
+            "samples_over_bound": int(sum(metric("samples_over_lag_bound"))),
         },
         "importance": {
             "ess_mean": _mean(metric("ess")),

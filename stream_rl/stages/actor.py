@@ -255,9 +255,11 @@ class Actor:
         seed = sample_seed(self.config.seed, group_id) if self.cfg.seeded_sampling else None
 
         async def call(server: Server) -> list[Rollout]:
-            return await self.sampler.sample_group(
+            rollouts = await self.sampler.sample_group(
                 server.client, server.url, problem, self.cfg.group_size, seed
             )
+            self._check_fresh(server, rollouts)
+            return rollouts
 
         return await self.pool.call(call, group_id)
 
@@ -266,11 +268,23 @@ class Actor:
         seed = sample_seed(self.config.seed, rollout_id) if self.cfg.seeded_sampling else None
 
         async def call(server: Server) -> Rollout:
-            return await self.sampler.sample_conversation(
+            rollout = await self.sampler.sample_conversation(
                 server.client, server.url, problem, index, self.cfg.group_size, seed
             )
+            self._check_fresh(server, [rollout])
+            return rollout
 
         return await self.pool.call(call, rollout_id)
+
+    def _check_fresh(self, server: Server, rollouts: list[Rollout]) -> None:
+        versions = [span.version for r in rollouts for span in r.version_spans]
+        if versions:
+            self.pool.check_fresh(server, min(versions))
+
+    def _observe_version(self) -> None:
+        latest = self.follower.latest
+        if latest is not None:
+            self.pool.observe(latest.version, latest.servers_updated, latest.servers_failed)
 
     # -- the loop ----------------------------------------------------------------------------
     def _wake_from_thread(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -305,6 +319,7 @@ class Actor:
                 return
             await self._refresh()
             self.admission.observe(self.follower.latest)
+            self._observe_version()
             progressed = False
             # Polling also serves rebalances, so it goes on while a few problems wait for admission.
             if len(self._buffer) < POLL_BATCH and not exhausted:
@@ -356,6 +371,7 @@ class Actor:
             backoff_s=self.cfg.backoff_s,
             backoff_max_s=self.cfg.backoff_max_s,
             cooldown_s=self.cfg.dead_cooldown_s,
+            max_lag=0 if self.config.mode == "conventional" else self.cfg.max_lag,
         )
         self.follower = VersionFollower(
             self.transport,

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from stream_rl.config import RunConfig, load_config
 from stream_rl.contracts import PartitionOffset, TrainingBatch, WeightVersion, WeightVersionKind
-from stream_rl.errors import ConfigError, ContractError, WeightSyncError
+from stream_rl.errors import ConfigError, ContractError
 from stream_rl.kafka.serde import Serde, default_serde
 from stream_rl.kafka.stage import StopFlag, dlq_headers
 from stream_rl.kafka.topics import TRAINING_BATCHES, WEIGHT_VERSIONS, TopicNames
@@ -58,7 +58,7 @@ from stream_rl.train.checkpoint import (
     save_checkpoint,
 )
 from stream_rl.train.lineage import by_version, read_weight_versions
-from stream_rl.train.push import PushOutcome, WeightPusher, connect_servers, make_sender
+from stream_rl.train.push import PushOutcome, WeightPusher, connect_servers, make_sender, rejoin_dropped
 from stream_rl.train.record import write_run_record
 from stream_rl.train.step import TrainerBackend, build_trainer
 
@@ -67,7 +67,9 @@ log = logging.getLogger(__name__)
 STAGE = "trainer"
 CONSUMES = TRAINING_BATCHES
 PRODUCES = (WEIGHT_VERSIONS,)
-RECONNECT_EVERY_S = 30.0
+RECONNECT_EVERY_S = 2.0
+"""Dropped servers that answer /health are asked to re-join at most this often (before a push, so
+a restarted server gets the next version at once and is routed to again)."""
 
 
 @dataclass
@@ -139,15 +141,9 @@ class TrainerStage:
         """The weights' checksum, and the push of `version` to the servers (gathered once)."""
         from stream_rl.weights.checksum import weights_checksum
 
-        if self.pusher is not None:
-            expected = len(self.config.inference.server_urls())
-            now = time.monotonic()
-            if len(self.pusher.live_servers) < expected and now - self._last_connect >= RECONNECT_EVERY_S:
-                self._last_connect = now
-                try:
-                    self.pusher.connect()
-                except WeightSyncError as exc:
-                    log.warning("re-joining dropped servers failed: %s", exc)
+        if self.pusher is not None and time.monotonic() - self._last_connect >= RECONNECT_EVERY_S:
+            self._last_connect = time.monotonic()
+            rejoin_dropped(self.pusher, self.config.inference.server_urls())
         with self.trainer.full_weights() as named:
             checksum = weights_checksum(named)
             report = None if self.pusher is None else self.pusher.push(version, named, self.bucket_bytes)
@@ -313,7 +309,8 @@ class TrainerStage:
         return self.stats
 
     def _loop(self, consumer: Consumer, target: int, idle_timeout_s: float | None) -> None:
-        runner = StepRunner(self.trainer, self.tcfg.pack_row_tokens)
+        bound = 0 if self.config.mode == "conventional" else self.config.actor.max_lag
+        runner = StepRunner(self.trainer, self.tcfg.pack_row_tokens, lag_bound=bound)
         buffer: deque[Message] = deque()
         last_input = time.monotonic()
         while True:

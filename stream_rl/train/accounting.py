@@ -35,6 +35,9 @@ class StepAccumulator:
     """Per trained sample: version - min sampling version."""
     lag_token_sum: int = 0
     lag_tokens: int = 0
+    over_lag_bound: int = 0
+    """Trained samples whose lag exceeds the run's bound (`StepRunner.lag_bound`): trained with
+    their true lag, never silently."""
     real_tokens: int = 0
     padded_tokens: int = 0
     compute_s: float = 0.0
@@ -80,9 +83,14 @@ class StepRunner:
     keep steps close to `samples_per_step`) then cost no extra forward passes. The buffering is
     deterministic, so a replay trains exactly the same rows."""
 
-    def __init__(self, trainer: TrainerBackend, flush_tokens: int = 512) -> None:
+    def __init__(
+        self, trainer: TrainerBackend, flush_tokens: int = 512, lag_bound: int | None = None
+    ) -> None:
+        """`lag_bound`: the run's staleness bound (`actor.max_lag`, 0 in conventional mode);
+        samples trained beyond it are counted (`samples_over_lag_bound`)."""
         self.trainer = trainer
         self.flush_tokens = flush_tokens
+        self.lag_bound = lag_bound
         self.acc = StepAccumulator()
         self._pending: list[TrainingSample] = []
         self._pending_tokens = 0
@@ -104,6 +112,8 @@ class StepRunner:
                 lags.append(lag[0])
                 acc.lag_token_sum += lag[1]
                 acc.lag_tokens += lag[2]
+                if self.lag_bound is not None and lag[0] > self.lag_bound:
+                    acc.over_lag_bound += 1
         acc.lags.extend(lags)
         self._pending.extend(batch.samples)
         self._pending_tokens += batch.num_tokens
@@ -165,5 +175,6 @@ def step_metrics(acc: StepAccumulator, outcome: StepOutcome) -> dict[str, float]
         out["version_lag_max"] = float(max(acc.lags))
     if acc.lag_tokens:
         out["version_lag_token_mean"] = acc.lag_token_sum / acc.lag_tokens
+    out["samples_over_lag_bound"] = float(acc.over_lag_bound)
     out.update(acc.stats.metrics())
     return out

@@ -160,3 +160,34 @@ def connect_servers(pusher: WeightPusher, timeout_s: float, stop: StopFlag, retr
             )
         log.info("waiting for servers to join the weight-sync group: %s", dict(failures))
         stop.wait(retry_s)
+
+
+def rejoin_dropped(pusher: WeightPusher, urls: Sequence[str], health_timeout_s: float = 1.0) -> bool:
+    """Ask dropped servers to re-join, if any of them answers `GET /health` (a join with a dead
+    server would cost a timeout); True when one re-joined. Failures are logged, never raised."""
+    import httpx
+
+    missing = [url for url in urls if url not in set(pusher.live_servers)]
+    up = []
+    for url in missing:
+        try:
+            if httpx.get(f"{url}/health", timeout=health_timeout_s).status_code == 200:
+                up.append(url)
+        except httpx.HTTPError:
+            continue
+    if not up:
+        return False
+    before = len(pusher.live_servers)
+    try:
+        failures = pusher.connect()
+    except WeightSyncError as exc:
+        log.warning("re-joining dropped servers failed: %s", exc)
+        return False
+    for url, why in failures.items():
+        log.warning("server %s answers /health but did not re-join: %s", url, why)
+    joined = len(pusher.live_servers) > before
+    if joined:
+        log.info(
+            "re-joined %d dropped server(s); the next version goes to them", len(pusher.live_servers) - before
+        )
+    return joined

@@ -18,7 +18,7 @@ from typing import Any
 
 from stream_rl.config import SamplingConfig
 from stream_rl.contracts import ChatMessage, VersionSpan
-from stream_rl.errors import InferenceError
+from stream_rl.errors import BadRequestError, InferenceError
 from stream_rl.inference.completion import Completion
 
 END = 3
@@ -62,7 +62,9 @@ class FakeServer:
     latency_s: float = 0.0
     down: bool = False
     reject: set[str] = field(default_factory=set)
-    """Prompts (user content) this server answers with an error while up (a 'bad request')."""
+    """Prompts (user content) this server refuses as invalid while up (HTTP 400, BadRequestError)."""
+    crash: set[str] = field(default_factory=set)
+    """Prompts (user content) this server fails on while up (HTTP 500, InferenceError)."""
     calls: int = 0
     failures: int = 0
     in_flight: int = 0
@@ -115,9 +117,13 @@ class FakeClient:
         finally:
             s.in_flight -= 1
         s.seeds.append(seed)
-        if prompt and isinstance(prompt[0], dict) and str(prompt[-1]["content"]) in s.reject:  # type: ignore[index]
+        content = str(prompt[-1]["content"]) if prompt and isinstance(prompt[0], dict) else None  # type: ignore[index]
+        if content in s.reject:
             s.failures += 1
-            raise InferenceError(f"POST {s.url}: HTTP 400: prompt rejected")
+            raise BadRequestError(f"POST {s.url}: HTTP 400: prompt rejected")
+        if content in s.crash:
+            s.failures += 1
+            raise InferenceError(f"POST {s.url}: HTTP 500: the engine failed on this prompt")
         out = []
         for i in range(n):
             sub_seed = seed if (seed is None or n == 1) else seed * 1_000_003 + i

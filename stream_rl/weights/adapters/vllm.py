@@ -11,8 +11,9 @@ stream_rl.weights.vllm_guard.guard ...`, with B one of:
 
 Join (`connect()`), per server:
 1. Recover what a dead trainer may have left: `POST /resume` (a pause never resumed) and
-   `POST /finish_weight_update` with no body (an update never finished; vLLM answers 500
-   "without a matching start" when there is none, which is ignored).
+   `POST /finish_weight_update` with no body, which closes an update session left open (vLLM
+   answers 500 "without a matching start" when there is none; a session whose receive failed
+   answers 500 "was not received" once, and the next finish closes it). No label changes.
 2. `GET /get_world_size` (W inference workers), then `POST /init_weight_transfer_engine
    {"init_info": {...}}` while this process joins the same group as rank 0 (world W + 1).
    stream_rl_gloo: `{master_address, master_port, rank_offset: 1, world_size, timeout_s}` and the
@@ -96,12 +97,19 @@ class VLLMWeightSender(EngineSender):
     # -- joining -----------------------------------------------------------------------------
 
     def _recover(self, server: ServerEndpoint) -> None:
+        """Undo what a dead trainer left: a pause, an open update session (a finish closes it;
+        a session whose receive failed answers that failure once, the next finish closes it)."""
         self.call(server, "POST", "/resume")
-        try:
-            self.call(server, "POST", "/finish_weight_update")
-        except WeightSyncError as exc:
-            if "without a matching start" not in str(exc):
+        for _ in range(2):
+            try:
+                self.call(server, "POST", "/finish_weight_update")
+            except WeightSyncError as exc:
+                if "without a matching start" in str(exc):
+                    return  # no session open
+                if "was not received" in str(exc):
+                    continue  # the failure of a dead trainer's update: closed by the next finish
                 raise
+            return
 
     def _join(self, server: ServerEndpoint, port: int) -> Any:
         self._recover(server)
