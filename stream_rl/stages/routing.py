@@ -249,7 +249,9 @@ class ServerPool:
             return
 
     # -- weight versions ---------------------------------------------------------------------------
-    def observe(self, version: int, servers_updated: Sequence[str], servers_failed: Sequence[str] = ()) -> None:
+    def observe(
+        self, version: int, servers_updated: Sequence[str], servers_failed: Sequence[str] = ()
+    ) -> None:
         """A newly published weight version and the servers the trainer installed it on (a
         trainer that pushes to no server, e.g. in replays, lists none: then nothing is gated)."""
         if self.latest is not None and version <= self.latest:
