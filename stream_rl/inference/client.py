@@ -152,7 +152,7 @@ class BuiltinClient(InferenceClient):
     async def complete_many(
         self, prompt: Prompt, sampling: SamplingConfig, *, n: int = 1, seed: int | None = None
     ) -> list[Completion]:
-        from stream_rl.inference.protocol import ChatCompletionResponse, CompletionResponse
+        from stream_rl.inference.protocol import ChatCompletionResponse, TextCompletionResponse
 
         body: dict[str, Any] = {
             "temperature": sampling.temperature,
@@ -165,7 +165,7 @@ class BuiltinClient(InferenceClient):
             body["stop"] = list(sampling.stop)
         if seed is not None:
             body["seed"] = seed
-        response: ChatCompletionResponse | CompletionResponse
+        response: ChatCompletionResponse | TextCompletionResponse
         if is_chat(prompt):
             path = "/v1/chat/completions"
             data = await self.call("POST", path, {**body, "messages": prompt, "logprobs": True})
@@ -173,7 +173,7 @@ class BuiltinClient(InferenceClient):
         else:
             path = "/v1/completions"
             data = await self.call("POST", path, {**body, "prompt": prompt, "logprobs": 0})
-            response = self.parse(CompletionResponse, data, path)
+            response = self.parse(TextCompletionResponse, data, path)
         out = []
         for choice in sorted(response.choices, key=lambda c: c.index):
             out.append(

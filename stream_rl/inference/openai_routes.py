@@ -30,14 +30,14 @@ from stream_rl.inference.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
+    SpanBody,
+    TextChoice,
+    TextCompletionRequest,
+    TextCompletionResponse,
+    TextLogprobs,
     TokenLogprob,
     TopLogprob,
     Usage,
-    VersionSpanBody,
 )
 from stream_rl.inference.sequence import RequestResult, SamplingParams, SequenceResult
 
@@ -78,7 +78,7 @@ def _usage(result: RequestResult) -> Usage:
 
 def _extensions(seq: SequenceResult) -> dict[str, Any]:
     """The fields every choice carries beside OpenAI's: token ids and version spans."""
-    spans = [VersionSpanBody(version=s.version, start=s.start) for s in seq.version_spans]
+    spans = [SpanBody(version=s.version, start=s.start) for s in seq.version_spans]
     return {
         "index": seq.index,
         "finish_reason": seq.finish_reason,
@@ -137,7 +137,7 @@ def _chat_logprobs(ctx: ServerContext, seq: SequenceResult, top: int) -> list[To
 
 
 @router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request) -> CompletionResponse:
+async def completions(body: TextCompletionRequest, request: Request) -> TextCompletionResponse:
     ctx: ServerContext = request.app.state.ctx
     if isinstance(body.prompt, str):
         prompt = ctx.tokenizer.encode(body.prompt, add_special_tokens=False)
@@ -147,14 +147,14 @@ async def completions(body: CompletionRequest, request: Request) -> CompletionRe
     params = body.sampling(body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, top)
     result = await _run(ctx, "completions", prompt, params)
     choices = [
-        CompletionChoice(
+        TextChoice(
             text=seq.text,
             logprobs=_completion_logprobs(ctx, seq, top) if body.logprobs is not None else None,
             **_extensions(seq),
         )
         for seq in result.sequences
     ]
-    return CompletionResponse(
+    return TextCompletionResponse(
         id=f"cmpl-{uuid.uuid4().hex}",
         created=int(time.time()),
         model=body.model or ctx.model_name,
@@ -164,7 +164,7 @@ async def completions(body: CompletionRequest, request: Request) -> CompletionRe
     )
 
 
-def _completion_logprobs(ctx: ServerContext, seq: SequenceResult, top: int) -> CompletionLogprobs:
+def _completion_logprobs(ctx: ServerContext, seq: SequenceResult, top: int) -> TextLogprobs:
     tokens, offsets, tops = [], [], []
     offset = 0
     for j, token in enumerate(seq.token_ids):
@@ -174,6 +174,6 @@ def _completion_logprobs(ctx: ServerContext, seq: SequenceResult, top: int) -> C
         offset += len(piece)
         if top and seq.top_logprobs is not None:
             tops.append({ctx.pieces.get(alt)[0]: lp for alt, lp in seq.top_logprobs[j][:top]})
-    return CompletionLogprobs(
+    return TextLogprobs(
         tokens=tokens, token_logprobs=seq.logprobs, top_logprobs=tops if top else None, text_offset=offsets
     )

@@ -97,7 +97,7 @@ class ChatCompletionRequest(_Sampling):
 TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
 
 
-class CompletionRequest(_Sampling):
+class TextCompletionRequest(_Sampling):
     prompt: str | TokenIds
     """One prompt: text, or token ids (used as is, no special tokens added)."""
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -137,7 +137,7 @@ class UpdateWeightsRequest(Body):
 # -- responses ---------------------------------------------------------------------------------
 
 
-class VersionSpanBody(BaseModel):
+class SpanBody(BaseModel):
     """Completion tokens from `start` on (until the next span) were sampled by weights `version`."""
 
     version: int = Field(ge=0)
@@ -172,7 +172,7 @@ class _Choice(BaseModel):
     finish_reason: Literal["stop", "length"]
     token_ids: list[int]
     """Extension: every sampled token id, end of sequence included."""
-    version_spans: list[VersionSpanBody]
+    version_spans: list[SpanBody]
     """Extension: the weight version of every sampled token."""
 
     def output_text(self) -> str:
@@ -195,16 +195,16 @@ class ChatChoice(_Choice):
         return [entry.logprob for entry in self.logprobs.content]
 
 
-class CompletionLogprobs(BaseModel):
+class TextLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float]
     top_logprobs: list[dict[str, float]] | None = None
     text_offset: list[int]
 
 
-class CompletionChoice(_Choice):
+class TextChoice(_Choice):
     text: str
-    logprobs: CompletionLogprobs | None = None
+    logprobs: TextLogprobs | None = None
 
     def output_text(self) -> str:
         return self.text
@@ -235,9 +235,9 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
 
 
-class CompletionResponse(_Response):
+class TextCompletionResponse(_Response):
     object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
+    choices: list[TextChoice]
 
 
 class UpdateWeightsResponse(BaseModel):

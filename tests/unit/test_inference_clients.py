@@ -23,9 +23,9 @@ from stream_rl.inference.protocol import (
     ChatChoice,
     ChatCompletionResponse,
     ChatLogprobs,
+    SpanBody,
     TokenLogprob,
     Usage,
-    VersionSpanBody,
 )
 from stream_rl.inference.vllm_client import VLLMClient, WeightVersionSpan, label_version, spans_from_labels
 
@@ -151,7 +151,7 @@ def test_builtin_client_parses_the_servers_own_response_model() -> None:
                 index=0,
                 finish_reason="stop",
                 token_ids=[7, 1],
-                version_spans=[VersionSpanBody(version=3, start=0), VersionSpanBody(version=4, start=1)],
+                version_spans=[SpanBody(version=3, start=0), SpanBody(version=4, start=1)],
                 message=AssistantMessage(content="7"),
                 logprobs=ChatLogprobs(
                     content=[TokenLogprob(token="7", logprob=-0.5), TokenLogprob(token="", logprob=-0.1)]
