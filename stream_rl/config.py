@@ -38,6 +38,9 @@ class KafkaConfig(Model):
     """Port of the local broker (the controller listens on port + 1)."""
     partitions: int | None = Field(None, ge=1)
     """Override the partition count of every data topic (topology default otherwise)."""
+    outage_timeout_s: float = Field(120.0, gt=0)
+    """How long every client waits out a broker that stopped answering (a restart) before failing
+    with an error; a broker that never answered fails within 10 s."""
 
     def resolved_bootstrap(self) -> str:
         """The bootstrap address: config, then environment, then the local broker's default."""
@@ -243,6 +246,9 @@ class TrainerConfig(Model):
     """Target row length when packing a micro-batch (rows are balanced and padded to the longest;
     a longer sample sets the length). Attention cost is quadratic in the row length, padding
     shrinks as rows grow: `bench/trainer.py` measures both."""
+    dedupe_window: int = Field(100_000, ge=1)
+    """Sample ids remembered (and saved with each checkpoint) so that none trains twice, whatever
+    arrives on training-batches (`stream_rl/train/dedupe.py`)."""
     keep_checkpoints: int = Field(2, ge=1)
     """Checkpoints kept on disk (the oldest are deleted after a new one is durable)."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
