@@ -79,10 +79,13 @@ class Launcher:
     # -- preparation -----------------------------------------------------------------------
     def start_broker(self) -> str:
         from stream_rl.kafka.broker import resolve_bootstrap
+        from stream_rl.kafka.client import check_reachable
 
         cfg = self.config.kafka
         if cfg.bootstrap or os.environ.get("STREAM_RL_KAFKA_BOOTSTRAP"):
-            return resolve_bootstrap(None, cfg.bootstrap)
+            bootstrap = resolve_bootstrap(None, cfg.bootstrap)
+            check_reachable(bootstrap)  # one line within seconds when nothing answers there
+            return bootstrap
         broker = LocalBroker(cfg.data_dir, port=cfg.port)
         already_running = broker.running() is not None
         bootstrap = broker.up(quiet=False).bootstrap

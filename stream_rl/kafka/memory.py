@@ -109,7 +109,7 @@ class MemoryProducer:
                 raise KafkaError("transactional producer: produce outside a transaction")
             self.broker.append([rec])
 
-    def flush(self, timeout: float = 30.0) -> None:
+    def flush(self, timeout: float | None = None) -> None:
         return None
 
     def init_transactions(self, timeout: float = 30.0) -> None:

@@ -7,7 +7,10 @@
 Offsets are committed only after the outputs are acknowledged, so a crash re-processes
 (at-least-once; downstream drops duplicates by id) or re-runs an aborted transaction
 (exactly-once). SIGTERM drains: the batch in hand is finished and committed, then the loop
-closes its clients. Runs can be bounded by record count or idle time (tests drive real
+closes its clients. A broker outage is waited out (`stream_rl.kafka.outage`); a transaction
+the outage forced to abort is redone: the consumer goes back to its committed offsets and the
+stage's partition state is rebuilt (`on_revoke` then `on_assign` of the assignment), as after a
+restart, so nothing is lost or emitted twice. Runs can be bounded by record count or idle time (tests drive real
 stages to completion without sleeps).
 
 Stages whose work completes out of order (the actor) use `OffsetTracker` with the same
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from stream_rl.contracts import Contract, now_ms
-from stream_rl.errors import ContractError, KafkaError
+from stream_rl.errors import ContractError, KafkaError, TransactionAborted
 from stream_rl.kafka.serde import Serde, default_serde
 from stream_rl.kafka.transport import Consumer, Message, Producer, TopicPartition, Transport
 from stream_rl.metrics import BATCH_SECONDS, DLQ, RECORDS_IN, RECORDS_OUT
@@ -220,6 +223,9 @@ class StageLoop(Generic[T]):
                 self._emit(self.handle(self._decode(msgs)))
                 self.producer.send_offsets_to_transaction(next_offsets(msgs), self.consumer.group_metadata())
                 self.producer.commit_transaction()
+            except TransactionAborted as exc:
+                self._rewind(str(exc))
+                return
             except BaseException:
                 self._abort()
                 raise
@@ -230,6 +236,22 @@ class StageLoop(Generic[T]):
         self.stats.records_in += len(msgs)
         self.stats.batches += 1
         BATCH_SECONDS.labels(self.name).observe(time.perf_counter() - started)
+
+    def _rewind(self, why: str) -> None:
+        """After an aborted transaction: back to the committed offsets, partition state rebuilt."""
+        parts = self.consumer.assignment()
+        log.warning(
+            "%s: %s: re-reading %d partitions from their committed offsets", self.name, why, len(parts)
+        )
+        self.stats.extra["transactions_redone"] = self.stats.extra.get("transactions_redone", 0.0) + 1
+        committed = self.consumer.committed(parts)
+        for tp in parts:
+            offset = committed.get(tp, -1)
+            self.consumer.seek(tp, offset if offset >= 0 else -2)  # -2: the partition's beginning
+        if self._user_on_revoke:
+            self._user_on_revoke(parts)
+        if self._user_on_assign:
+            self._user_on_assign(parts)
 
     def _abort(self) -> None:
         try:
@@ -245,6 +267,8 @@ class StageLoop(Generic[T]):
             try:
                 self._emit(self.on_idle())
                 self.producer.commit_transaction()
+            except TransactionAborted as exc:
+                self._rewind(str(exc))
             except BaseException:
                 self._abort()
                 raise
