@@ -125,9 +125,20 @@ class Actor:
         if not force and now - self._last_refresh < self.cfg.refresh_s:
             return
         self._last_refresh = now
-        view = await asyncio.to_thread(
-            read_group_view, self.transport, self.topic, self.dlq_topic, self.group
-        )
+        try:
+            view = await asyncio.to_thread(
+                read_group_view,
+                self.transport,
+                self.topic,
+                self.dlq_topic,
+                self.group,
+                self.config.launcher.actors,
+            )
+        except KafkaError as exc:  # the broker is away: keep the last view (it only moves forward)
+            if force:
+                raise
+            log.warning("%s: admission view not refreshed: %s", self.actor_id, exc)
+            return
         self.admission.update_view(view)
 
     def _on_revoke(self, partitions: list[TopicPartition]) -> None:
