@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -26,6 +27,7 @@ from stream_rl.kafka.transport import (
 )
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+log = logging.getLogger("stream_rl.kafka")
 T = TypeVar("T")
 
 
@@ -124,16 +126,22 @@ class KafkaProducer:
         """Wait until every record is acknowledged: through a broker outage, for up to
         `timeout` (default the outage timeout). librdkafka re-sends on its own meanwhile."""
         limit = self.outage_s if timeout is None else timeout
-        backoff = Backoff("flush", limit)
+        started = time.monotonic()
+        warned = False
         while True:
-            remaining = self._p.flush(min(1.0, max(backoff.left(), 0.0)))
-            if not remaining or backoff.left() <= 0:
+            remaining = self._p.flush(min(1.0, max(started + limit - time.monotonic(), 0.0)))
+            waited = time.monotonic() - started
+            if not remaining or waited >= limit:
                 break
-            if backoff.started is None:
-                backoff.wait(f"{remaining} records not yet acknowledged")
+            if not warned and waited >= 5.0:
+                warned = True
+                log.warning(
+                    "flush: %d records not acknowledged after 5s; waiting up to %.0fs", remaining, limit
+                )
         if remaining:
             raise KafkaError(f"{remaining} records not delivered within {limit:.0f}s (is the broker up?)")
-        backoff.done()
+        if warned:
+            log.warning("flush: delivered after %.1fs", time.monotonic() - started)
         if self._errors:
             errors, self._errors = self._errors, []
             raise KafkaError(f"{len(errors)} records failed delivery; first: {errors[0]}")
