@@ -268,6 +268,10 @@ class LauncherConfig(Model):
     """Preprocessor processes."""
     max_wall_s: float | None = Field(None, gt=0)
     """Stop the run after this many seconds."""
+    stall_timeout_s: float | None = Field(300.0, gt=0)
+    """Progress watchdog: no new weight version for this long while the stages are alive stops the
+    run with an error naming the stuck stage (with `restart`, the stuck stage is restarted once
+    first). None: off."""
     keep_broker: bool = False
     """Leave the local broker the launcher started running after the run (its data stays on disk
     either way; `stream-rl kafka up` brings it back for replay)."""
