@@ -30,6 +30,7 @@ from stream_rl.contracts import WeightVersionKind
 from stream_rl.errors import StreamRLError
 from stream_rl.kafka.broker import LocalBroker, free_port
 from stream_rl.kafka.stage import StopFlag
+from stream_rl.watchdog import Watchdog
 
 STOP_GRACE_S = 20.0
 SAMPLE_EVERY_S = 2.0
@@ -75,6 +76,7 @@ class Launcher:
         self.broker: LocalBroker | None = None
         self.exit_reason = ""
         self.failed: Child | None = None
+        self.stalled: str | None = None
 
     # -- preparation -----------------------------------------------------------------------
     def start_broker(self) -> str:
@@ -290,6 +292,27 @@ class Launcher:
             return False
         return True
 
+    def handle_stall(self, watchdog: Watchdog) -> bool:
+        """The watchdog's verdict: False when the run must stop (see stream_rl/watchdog.py)."""
+        now = time.monotonic()
+        stall = watchdog.check(now)
+        if stall is None:
+            return True
+        stuck = [c for c in self.children if stall.stage is not None and c.role == stall.stage]
+        cfg = self.config.launcher
+        live = [c for c in stuck if c.proc is not None and c.proc.poll() is None]
+        if cfg.restart and live and all(c.restarts < cfg.max_restarts for c in live):
+            for child in live:
+                print(f"\n{stall.message}: killing {child.name} to restart it", file=sys.stderr)
+                assert child.proc is not None
+                child.proc.kill()
+                child.proc.wait()
+            watchdog.reset(now)
+            return True  # check_children restarts them
+        self.stalled = stall.message
+        self.exit_reason = "stalled"
+        return False
+
     def stop_all(self) -> None:
         """SIGTERM in waves, each drained before the next: producers first (so downstream
         stages see their last records), the trainer after the stages, the servers last (an
@@ -353,10 +376,16 @@ class Launcher:
             self.write_ports(serve_metrics(0))
             monitor.start()
             max_wall = self.config.launcher.max_wall_s
+            stall_s = self.config.launcher.stall_timeout_s
+            watchdog = Watchdog(stall_s) if stall_s is not None else None
             while not self.stop:
                 if not self.check_children():
                     break
                 monitor.tick()
+                if watchdog is not None and monitor.sample is not None:
+                    watchdog.observe(time.monotonic(), monitor.sample)
+                    if not self.handle_stall(watchdog):
+                        break
                 latest = monitor.latest
                 if latest is not None and latest.kind == WeightVersionKind.FINAL:
                     self.exit_reason = f"reached max_steps ({latest.step})"
@@ -377,6 +406,9 @@ class Launcher:
             )
         if self.failed is not None:
             print(f"\nrun {self.config.run} stopped: {self.death_message(self.failed)}", file=sys.stderr)
+            return 1
+        if self.stalled is not None:
+            print(f"\nrun {self.config.run} stopped: {self.stalled}", file=sys.stderr)
             return 1
         _print_summary(summary, self.run_dir)
         return 0
