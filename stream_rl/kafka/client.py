@@ -55,6 +55,27 @@ def check_reachable(bootstrap: str, timeout: float = 10.0) -> None:
         time.sleep(0.3)
 
 
+class _Errors:
+    """The `error_cb` of a client: fatal errors are kept (the next call raises them: a fenced
+    static member's consumer otherwise just stops delivering, and its stage hangs); the others,
+    mostly connection errors librdkafka recovers from, are logged rate-limited."""
+
+    def __init__(self, client_id: str) -> None:
+        self.client_id = client_id
+        self.fatal: str | None = None
+
+    def __call__(self, err: ck.KafkaError) -> None:
+        if err.fatal():
+            self.fatal = err.str()
+            log.error("%s: fatal Kafka client error: %s", self.client_id, err.str())
+        else:
+            CLIENT_LOG.log(logging.WARNING, "%s [%s] %s", "ERROR", self.client_id, err.str())
+
+    def check(self, what: str) -> None:
+        if self.fatal is not None:
+            raise KafkaError(f"{what}: fatal Kafka client error (restart the stage): {self.fatal}")
+
+
 def _headers(headers: Headers | None) -> list[tuple[str, bytes]] | None:
     if not headers:
         return None
@@ -73,10 +94,12 @@ class KafkaProducer:
         outage_s: float = DEFAULT_OUTAGE_S,
     ) -> None:
         self.outage_s = outage_s
+        self._fatal = _Errors(client_id)
         conf: dict[str, Any] = {
             "bootstrap.servers": bootstrap,
             "client.id": client_id,
             "logger": CLIENT_LOG,
+            "error_cb": self._fatal,
             "enable.idempotence": True,
             "acks": "all",
             "linger.ms": 5,
@@ -121,6 +144,7 @@ class KafkaProducer:
             except ck.KafkaException as exc:
                 raise _fail(f"produce to {topic}", exc) from exc
         self._p.poll(0)
+        self._fatal.check(f"produce to {topic}")
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every record is acknowledged: through a broker outage, for up to
@@ -138,6 +162,7 @@ class KafkaProducer:
                 log.warning(
                     "flush: %d records not acknowledged after 5s; waiting up to %.0fs", remaining, limit
                 )
+        self._fatal.check("flush")
         if remaining:
             raise KafkaError(f"{remaining} records not delivered within {limit:.0f}s (is the broker up?)")
         if warned:
@@ -218,10 +243,12 @@ class KafkaConsumer:
         outage_s: float = DEFAULT_OUTAGE_S,
     ) -> None:
         self.outage_s = outage_s
+        self._fatal = _Errors(client_id)
         conf: dict[str, Any] = {
             "bootstrap.servers": bootstrap,
             "client.id": client_id,
             "logger": CLIENT_LOG,
+            "error_cb": self._fatal,
             # librdkafka needs a group id even for assign()-only use; it never commits then.
             "group.id": group_id or f"{client_id}.nogroup",
             "enable.auto.commit": False,
@@ -271,6 +298,7 @@ class KafkaConsumer:
                 msgs.extend(self._c.consume(max_records - 1, 0))
         except ck.KafkaException as exc:
             raise _fail("consume", exc) from exc
+        self._fatal.check("consume")
         out = []
         for m in msgs:
             err = m.error()
@@ -367,7 +395,11 @@ class KafkaTransport:
             # for librdkafka (the stage dies). A restart under the same id takes over at once, so a
             # long session costs nothing there; a short one killed stages whose process or broker
             # was starved of CPU for 6 s (seen on a 2-core machine with pinned CPUs).
-            extra = {"group.instance.id": instance_id, "session.timeout.ms": STATIC_SESSION_TIMEOUT_MS}
+            # The session also outlasts a broker outage (`outage_s`): a static member whose session
+            # expires client-side during one rejoins and is fenced by its own new member id, a
+            # fatal error (seen: a 30 s broker restart on a loaded machine).
+            session_ms = max(STATIC_SESSION_TIMEOUT_MS, int(self.outage_s * 1000))
+            extra = {"group.instance.id": instance_id, "session.timeout.ms": session_ms}
         return KafkaConsumer(self.bootstrap, group_id, client_id, extra, outage_s=self.outage_s)
 
     def partitions(self, topic: str, timeout: float = 10.0) -> list[int]:
