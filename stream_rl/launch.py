@@ -77,6 +77,7 @@ class Launcher:
         self.exit_reason = ""
         self.failed: Child | None = None
         self.stalled: str | None = None
+        self._launcher_port: int | None = None
 
     # -- preparation -----------------------------------------------------------------------
     def start_broker(self) -> str:
@@ -173,10 +174,13 @@ class Launcher:
     def write_ports(self, launcher_port: int) -> None:
         """processes.json (for `stream-rl status`) and prometheus-targets.json (file_sd for
         deploy/prometheus.yml)."""
+        self._launcher_port = launcher_port
         ports = {c.name: c.metrics_port for c in self.children if c.metrics_port}
         servers = self.server_urls()
-        pids = {c.name: c.proc.pid for c in self.children if c.proc}
-        (self.run_dir / "processes.json").write_text(
+        # Live children only: a dead child's pid may already belong to another process.
+        pids = {c.name: c.proc.pid for c in self.children if c.proc and c.proc.poll() is None}
+        tmp = self.run_dir / "processes.json.tmp"
+        tmp.write_text(
             json.dumps(
                 {
                     "bootstrap": self.bootstrap,
@@ -188,6 +192,7 @@ class Launcher:
                 indent=2,
             )
         )
+        tmp.replace(self.run_dir / "processes.json")  # readers never see half a file
         run = self.config.run
 
         def target(address: str, process: str, role: str) -> dict[str, Any]:
@@ -214,8 +219,11 @@ class Launcher:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=child_env(self.config),
+                preexec_fn=_die_with_parent,
             )
         child.started_at = time.monotonic()
+        if self._launcher_port is not None:
+            self.write_ports(self._launcher_port)  # a restarted child's new pid, for `status`
 
     def check_server_ports(self) -> None:
         """Fail before starting anything if a launched server's port is taken (another run?)."""
@@ -398,6 +406,8 @@ class Launcher:
                 self.exit_reason = self.stop.reason or "stopped"
         finally:
             self.stop_all()
+            if self._launcher_port is not None:
+                self.write_ports(self._launcher_port)  # no pids left: the run is over
             monitor.close()
             summary = monitor.finish(
                 wall_s=time.monotonic() - started,
@@ -412,6 +422,17 @@ class Launcher:
             return 1
         _print_summary(summary, self.run_dir)
         return 0
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM it when the launcher dies, however it dies (a killed or
+    crashed launcher otherwise leaves its stages running, waiting on a broker that is gone)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError:  # not Linux: children may outlive a crashed launcher
+        pass
 
 
 def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
