@@ -427,12 +427,11 @@ class Launcher:
 def _die_with_parent() -> None:
     """In the child, before exec: SIGTERM it when the launcher dies, however it dies (a killed or
     crashed launcher otherwise leaves its stages running, waiting on a broker that is gone)."""
+    import contextlib
     import ctypes
 
-    try:
+    with contextlib.suppress(OSError):  # not Linux: children may outlive a crashed launcher
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except OSError:  # not Linux: children may outlive a crashed launcher
-        pass
 
 
 def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
