@@ -80,6 +80,21 @@ class Launcher:
         self._launcher_port: int | None = None
 
     # -- preparation -----------------------------------------------------------------------
+    def check_config(self) -> None:
+        """What the config names must exist before anything starts (one line, exit 2): the task
+        (and its params) and the model directory the trainer and the launched servers load."""
+        from stream_rl.errors import ConfigError
+        from stream_rl.tasks import get_task
+
+        cfg = self.config
+        get_task(cfg.task.name, cfg.task.params, cfg.task.system_prompt)
+        if not (Path(cfg.model.path) / "config.json").is_file():
+            raise ConfigError(
+                f"model.path: {cfg.model.path!r} is not a model directory (no config.json); build one "
+                "with `stream-rl make-model --preset tiny --out DIR`"
+            )
+
+
     def start_broker(self) -> str:
         from stream_rl.kafka.broker import resolve_bootstrap
         from stream_rl.kafka.client import check_reachable
@@ -368,6 +383,7 @@ class Launcher:
         from stream_rl.monitor import RunMonitor
 
         started = time.monotonic()
+        self.check_config()
         self.bootstrap = self.start_broker()
         self.apply_topics()
         self.plan()

@@ -205,3 +205,31 @@ def test_the_watchdog_names_the_stuck_stage() -> None:
     out.observe(0, Sample(7, {"loader": 40, "actor": 40}, {"actor": 0, "verifier": 0, "preprocessor": 0}))
     stall = out.check(2)
     assert stall is not None and stall.stage is None and "out of problems" in stall.message
+
+
+# -- errors users meet ---------------------------------------------------------------------------
+
+
+def test_unknown_task_missing_model_and_unreachable_kafka_are_one_line_errors(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    from stream_rl.config import RunConfig
+    from stream_rl.errors import StreamRLError
+    from stream_rl.kafka.broker import free_port
+    from stream_rl.kafka.client import check_reachable
+    from stream_rl.kafka.stage import StopFlag
+    from stream_rl.launch import Launcher
+
+    def check(**cfg: object) -> str:
+        config = RunConfig.model_validate(
+            {"runs_dir": str(tmp_path), "model": {"path": str(model_dir)}, **cfg}
+        )
+        with pytest.raises(StreamRLError) as info:
+            Launcher(config, StopFlag()).check_config()
+        return str(info.value)
+
+    assert check(task={"name": "nosuchtask"}).startswith("task.name: unknown task 'nosuchtask'")
+    assert "model.path" in check(model={"path": str(tmp_path / "none")})
+    with pytest.raises(StreamRLError, match="no Kafka broker answers") as info:
+        check_reachable(f"127.0.0.1:{free_port()}", timeout=1.0)
+    assert "\n" not in str(info.value)
