@@ -94,7 +94,6 @@ class Launcher:
                 "with `stream-rl make-model --preset tiny --out DIR`"
             )
 
-
     def start_broker(self) -> str:
         from stream_rl.kafka.broker import resolve_bootstrap
         from stream_rl.kafka.client import check_reachable
