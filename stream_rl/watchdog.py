@@ -8,9 +8,10 @@ since the last version:
 
 - trainer: `training-batches` holds more than two steps' worth of records past the offsets the
   latest version consumed;
-- preprocessor: `scored` has lag and `training-batches` did not grow;
-- verifier: `raw-rollouts` has lag and `scored` did not grow;
-- actor: `problems` has lag and `raw-rollouts` did not grow (the actor, or the servers it waits on);
+- preprocessor, verifier, actor (in that order): its input has lag and its consumed position
+  (input end − lag) has not moved for half the timeout (the actor: it, or the servers it waits
+  on; an actor held by admission behind a stuck downstream stage is not blamed, since the walk
+  finds that stage first);
 - nothing waits anywhere and `problems` is consumed: the run is out of problems.
 
 The launcher then stops the run with that message, or, with `launcher.restart`, kills the stuck
@@ -21,8 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PIPELINE = ("preprocessor", "verifier", "actor")
-"""Downstream first; each stage's lag is its consumer group's on its input topic."""
+PIPELINE = (("preprocessor", "verifier"), ("verifier", "actor"), ("actor", "loader"))
+"""(stage, the stage writing its input), downstream first; each stage's lag is its consumer
+group's on its input topic."""
 
 
 @dataclass
@@ -53,12 +55,21 @@ class Watchdog:
         self._since: float | None = None
         self._at_version: Sample | None = None
         self._latest: Sample | None = None
+        self._now = 0.0
+        self._position: dict[str, int] = {}
+        self._moved_at: dict[str, float] = {}
 
     def observe(self, now: float, sample: Sample) -> None:
         if self._since is None or self._at_version is None or sample.version != self._at_version.version:
             self._since = now
             self._at_version = sample
+        for stage, upstream in PIPELINE:
+            position = sample.outputs.get(upstream, 0) - sample.lags.get(stage, 0)
+            if self._position.get(stage) != position:
+                self._position[stage] = position
+                self._moved_at[stage] = now
         self._latest = sample
+        self._now = now
 
     def reset(self, now: float) -> None:
         """Start the clock again (after a stuck stage was restarted)."""
@@ -83,14 +94,14 @@ class Watchdog:
                 f"{head}; stuck: trainer ({cur.untrained} records of training-batches wait past the "
                 "offsets of its last version)",
             )
-        for stage in PIPELINE:
+        for stage, _upstream in PIPELINE:
             lag = cur.lags.get(stage, 0)
-            out_moved = cur.outputs.get(stage, 0) != base.outputs.get(stage, 0)
-            if lag > 0 and not out_moved:
+            idle = self._now - self._moved_at.get(stage, self._now)
+            if lag > 0 and idle >= self.timeout_s / 2:
                 what = "actor (or the inference servers it waits on)" if stage == "actor" else stage
-                return Stall(stage, f"{head}; stuck: {what} ({lag} input records wait, none processed since)")
-            if out_moved:
-                break
+                return Stall(
+                    stage, f"{head}; stuck: {what} ({lag} input records wait, none consumed for {idle:.0f}s)"
+                )
         if all(v == 0 for v in cur.lags.values()) and cur.outputs.get("loader", 0) > 0:
             return Stall(
                 None,
