@@ -351,6 +351,21 @@ class KafkaConsumer:
     def assignment(self) -> list[TopicPartition]:
         return [(p.topic, p.partition) for p in self._c.assignment()]
 
+    def pause(self, partitions: list[TopicPartition]) -> None:
+        if partitions:
+            self._c.pause([ck.TopicPartition(t, p) for t, p in partitions])
+
+    def resume(self, partitions: list[TopicPartition]) -> None:
+        if partitions:
+            self._c.resume([ck.TopicPartition(t, p) for t, p in partitions])
+
+    def end_offset(self, tp: TopicPartition) -> int:
+        try:
+            _low, high = self._c.get_watermark_offsets(ck.TopicPartition(*tp), cached=True)
+        except ck.KafkaException:
+            return -1
+        return int(high) if high is not None and high >= 0 else -1
+
     def group_metadata(self) -> Any:
         return self._c.consumer_group_metadata()
 
