@@ -233,3 +233,62 @@ def test_unknown_task_missing_model_and_unreachable_kafka_are_one_line_errors(
     with pytest.raises(StreamRLError, match="no Kafka broker answers") as info:
         check_reachable(f"127.0.0.1:{free_port()}", timeout=1.0)
     assert "\n" not in str(info.value)
+
+
+# -- epochs are epochs ---------------------------------------------------------------------------
+
+
+def test_after_one_epoch_worth_of_problems_every_problem_was_taken_once() -> None:
+    from fakes.inference import FakeServer, factory
+    from test_actor import make_config as actor_config
+    from test_actor import publish, rollouts
+
+    from stream_rl.stages import actor, loader
+
+    # One server that never makes a request wait: it is asked in the order problems are taken.
+    config = actor_config(
+        task__params={"num_problems": 12}, loader={"epochs": 3}, inference={"servers": [{"url": "http://a"}]}
+    )
+    t = MemoryTransport()
+    names = __import__("stream_rl.kafka.topics", fromlist=["TopicNames"]).TopicNames(config.run)
+    t.create_topics(names.all_topics(partitions=4))
+    loader.run(config, transport=t)
+    publish(t, names, 0, 0)
+    publish(t, names, 1, 10_000)  # admission never holds
+    servers = [FakeServer("http://a", version=0)]
+    actor.run(config, transport=t, client_factory=factory(servers), max_records=36, idle_timeout_s=5)
+    from stream_rl.stages.rollouts import sample_seed
+
+    by_seed = {sample_seed(0, r.group_id): r.group_id for r in rollouts(t, names)}
+    order = [by_seed[seed] for seed in servers[0].seeds]  # the order the server was asked
+    assert len(order) == 36
+    # The in-memory consumer hands over one partition at a time (as librdkafka's fetches do).
+    for epoch in range(3):
+        chunk = order[12 * epoch : 12 * (epoch + 1)]
+        assert all(g.endswith(f".e{epoch}") for g in chunk), chunk
+        assert len({g.rsplit(".e", 1)[0] for g in chunk}) == 12
+
+
+def test_duplicate_problem_epoch_and_tombstones_are_dead_lettered() -> None:
+    from fakes.inference import FakeServer, factory
+    from test_actor import make_config as actor_config
+    from test_actor import publish
+
+    from stream_rl.kafka.topics import PROBLEMS, TopicNames
+    from stream_rl.stages import actor, loader
+
+    config = actor_config(task__params={"num_problems": 2})
+    t = MemoryTransport()
+    names = TopicNames(config.run)
+    t.create_topics(names.all_topics(partitions=2))
+    loader.run(config, transport=t)
+    first = t.messages(names[PROBLEMS])[0]
+    p = t.producer("bad")
+    p.produce(names[PROBLEMS], first.value, key=first.key)  # the same (problem, epoch) again
+    p.produce(names[PROBLEMS], None, key=first.key)  # a tombstone
+    publish(t, names, 0, 0)
+    servers = [FakeServer("http://a", version=0), FakeServer("http://b", version=0)]
+    stats = actor.run(config, transport=t, client_factory=factory(servers), max_records=4, idle_timeout_s=5)
+    assert stats.dlq == 2 and stats.extra["duplicates"] == 1 and stats.records_out == 2 * 4
+    reasons = [m.header("error") or b"" for m in t.messages(names.dlq(PROBLEMS))]
+    assert any(b"duplicate of" in r for r in reasons) and any(b"tombstone" in r for r in reasons)
