@@ -29,6 +29,7 @@ from stream_rl.config import ADMIN_TOKEN_ENV, RunConfig, dump_config, load_confi
 from stream_rl.contracts import WeightVersionKind
 from stream_rl.errors import StreamRLError
 from stream_rl.kafka.broker import LocalBroker, free_port
+from stream_rl.kafka.outage import REACHABLE_WAIT_ENV
 from stream_rl.kafka.stage import StopFlag
 from stream_rl.watchdog import Watchdog
 
@@ -60,7 +61,9 @@ class Child:
 
 
 def child_env(config: RunConfig) -> dict[str, str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # The launcher has reached the broker: a child (re)started during an outage waits it out
+    # instead of failing fast as for a wrong address.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", REACHABLE_WAIT_ENV: str(config.kafka.outage_timeout_s)}
     if config.inference.admin_token is not None:
         env[ADMIN_TOKEN_ENV] = config.inference.admin_token.get_secret_value()
     return env

@@ -16,6 +16,7 @@ from stream_rl.kafka.outage import (
     DEFAULT_OUTAGE_S,
     Backoff,
     TransientKafkaError,
+    reachable_wait_s,
     retry,
     transient,
 )
@@ -35,8 +36,10 @@ def _fail(what: str, exc: ck.KafkaException) -> KafkaError:
     return KafkaError(f"{what}: {exc.args[0] if exc.args else exc}")
 
 
-def check_reachable(bootstrap: str, timeout: float = 10.0) -> None:
-    """Raise a one-line KafkaError unless a broker at `bootstrap` answers within `timeout`."""
+def check_reachable(bootstrap: str, timeout: float | None = None) -> None:
+    """Raise a one-line KafkaError unless a broker at `bootstrap` answers within `timeout`
+    (default 10 s, or $STREAM_RL_KAFKA_REACHABLE_WAIT_S)."""
+    timeout = reachable_wait_s() if timeout is None else timeout
     admin = AdminClient(
         {"bootstrap.servers": bootstrap, "log_level": 0, "socket.connection.setup.timeout.ms": 3000}
     )
@@ -397,7 +400,7 @@ class KafkaTransport:
             if self._admin is not None:
                 self._admin.poll(0)  # serves its queued log lines (they would pile up otherwise)
 
-    def check_reachable(self, timeout: float = 10.0) -> None:
+    def check_reachable(self, timeout: float | None = None) -> None:
         check_reachable(self.bootstrap, timeout)
 
     def producer(self, client_id: str, transactional_id: str | None = None) -> KafkaProducer:

@@ -29,6 +29,20 @@ log = logging.getLogger("stream_rl.kafka")
 T = TypeVar("T")
 
 DEFAULT_OUTAGE_S = 120.0
+REACHABLE_WAIT_ENV = "STREAM_RL_KAFKA_REACHABLE_WAIT_S"
+"""How long `check_reachable` waits (default 10 s); the launcher gives its children the outage
+timeout, since it has reached the broker itself."""
+
+
+def reachable_wait_s(default: float = 10.0) -> float:
+    import os
+
+    try:
+        return float(os.environ.get(REACHABLE_WAIT_ENV, default))
+    except ValueError:
+        return default
+
+
 BACKOFF_FIRST_S = 0.2
 BACKOFF_MAX_S = 5.0
 
