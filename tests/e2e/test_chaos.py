@@ -30,18 +30,18 @@ RUN = f"chaos{os.getpid()}"
 GROUP = 4
 PROBLEMS = 24
 STEP = 16
-MAX_STEPS = 18
+MAX_STEPS = 14
 MAX_LAG = 1
 # (version reached, action): kills spread over the run, three bounces between them.
 PLAN = [
     (2, "bounce"),
     (3, "actor-0"),
-    (5, "verifier-0"),
-    (6, "bounce"),
-    (8, "preprocessor-0"),
-    (10, "trainer"),
-    (12, "bounce"),
-    (13, "server-0"),
+    (4, "verifier-0"),
+    (5, "bounce"),
+    (7, "preprocessor-0"),
+    (8, "trainer"),
+    (10, "bounce"),
+    (11, "server-0"),
 ]
 
 
@@ -113,7 +113,7 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 _at, action = plan.pop(0)
                 if action == "bounce":
                     broker.down(quiet=True)
-                    time.sleep(3)
+                    time.sleep(1)
                     broker.up(quiet=True)
                 else:
                     pid = json.loads((run_dir / "processes.json").read_text())["pids"][action]
@@ -220,13 +220,19 @@ def test_every_trained_sample_within_the_lag_bound(chaos: dict[str, Any]) -> Non
     assert max(lags) <= MAX_LAG + 1, Counter(lags)
 
 
-@pytest.mark.xfail(reason="issue 15 item 4: the actor drains problems one partition at a time", strict=True)
-def test_after_one_epoch_every_problem_was_trained_once(chaos: dict[str, Any]) -> None:
+def test_epochs_stay_balanced(chaos: dict[str, Any]) -> None:
+    """Problems are taken in plan order, epoch after epoch (issue 15 item 4: before, the actor
+    drained one partition, all its epochs, first). Groups in flight together can finish out of
+    order, so along the trained sequence the counts per problem differ by at most 2 (1 + that)."""
     order: list[str] = []
     for _v, s in _trained(chaos):
         if s["group_id"] not in order:
             order.append(s["group_id"])
-    first = order[:PROBLEMS]
-    assert len(first) == PROBLEMS
-    assert sorted(g.rsplit(".e", 1)[0] for g in first) == sorted({g.rsplit(".e", 1)[0] for g in first})
-    assert all(g.endswith(".e0") for g in first), first
+    assert len(order) >= PROBLEMS
+    counts: Counter[str] = Counter()
+    problems = {g.rsplit(".e", 1)[0] for g in order}
+    assert len(problems) == PROBLEMS, "every problem was trained"
+    for gid in order:
+        counts[gid.rsplit(".e", 1)[0]] += 1
+        low = min(counts.get(p, 0) for p in problems)
+        assert max(counts.values()) - low <= 2, (gid, counts)
