@@ -60,12 +60,25 @@ class Child:
             return "(no log)"
 
 
-def child_env(config: RunConfig) -> dict[str, str]:
+def run_admin_token(config: RunConfig) -> str | None:
+    """The token guarding the launched servers' `/weights/*`: the configured one, else a fresh one
+    per run (when the launcher starts the servers). It travels in the children's environment only,
+    never into run directories or logs."""
+    if config.inference.admin_token is not None:
+        return config.inference.admin_token.get_secret_value()
+    if config.inference.servers or config.inference.num_servers == 0:
+        return None  # servers started by the user carry the token they were given (if any)
+    import secrets
+
+    return secrets.token_urlsafe(32)
+
+
+def child_env(config: RunConfig, admin_token: str | None = None) -> dict[str, str]:
     # The launcher has reached the broker: a child (re)started during an outage waits it out
     # instead of failing fast as for a wrong address.
     env = {**os.environ, "PYTHONUNBUFFERED": "1", REACHABLE_WAIT_ENV: str(config.kafka.outage_timeout_s)}
-    if config.inference.admin_token is not None:
-        env[ADMIN_TOKEN_ENV] = config.inference.admin_token.get_secret_value()
+    if admin_token is not None:
+        env[ADMIN_TOKEN_ENV] = admin_token
     return env
 
 
@@ -80,6 +93,7 @@ class Launcher:
         self.exit_reason = ""
         self.failed: Child | None = None
         self.stalled: str | None = None
+        self.admin_token = run_admin_token(config)
         self._launcher_port: int | None = None
 
     # -- preparation -----------------------------------------------------------------------
@@ -175,7 +189,8 @@ class Launcher:
                 cmd = [*py, role, "--config", str(config_path), "--bootstrap", self.bootstrap]
                 if role != "loader":
                     cmd += ["--instance", str(i)]
-                self._add(name, role, cmd, metrics=role != "loader", restartable=role != "loader")
+                # The loader is idempotent (it writes only the missing records): restartable too.
+                self._add(name, role, cmd, metrics=role != "loader")
 
     def _add(
         self, name: str, role: str, cmd: list[str], metrics: bool = True, restartable: bool = True
@@ -235,7 +250,7 @@ class Launcher:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=child_env(self.config),
+                env=child_env(self.config, self.admin_token),
                 preexec_fn=_die_with_parent,
             )
         child.started_at = time.monotonic()
