@@ -214,8 +214,9 @@ class TrainerConfig(Model):
     """Entropy bonus coefficient."""
     overlong_filtering: bool = False
     """Zero the loss of sequences that hit max_tokens."""
-    checkpoint_every: int = Field(0, ge=0)
-    """Checkpoint every N steps (0 = only on stop)."""
+    checkpoint_every: int = Field(10, ge=0)
+    """Checkpoint every N steps, so a killed trainer re-trains at most N steps (also at max_steps
+    and on SIGTERM; 0 = only then, and a killed trainer restarts from version 0)."""
     checkpoint_dir: str | None = None
     """Checkpoint directory (default `runs/<run>/trainer/checkpoints`)."""
     deterministic: bool = True

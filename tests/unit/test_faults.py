@@ -292,3 +292,31 @@ def test_duplicate_problem_epoch_and_tombstones_are_dead_lettered() -> None:
     assert stats.dlq == 2 and stats.extra["duplicates"] == 1 and stats.records_out == 2 * 4
     reasons = [m.header("error") or b"" for m in t.messages(names.dlq(PROBLEMS))]
     assert any(b"duplicate of" in r for r in reasons) and any(b"tombstone" in r for r in reasons)
+
+
+def test_launched_servers_get_a_fresh_admin_token_that_never_reaches_the_run_dir(tmp_path: Path) -> None:
+    from stream_rl.config import ADMIN_TOKEN_ENV, RunConfig, dump_config
+    from stream_rl.kafka.stage import StopFlag
+    from stream_rl.launch import Launcher, child_env
+
+    config = RunConfig.model_validate({"runs_dir": str(tmp_path), "inference": {"admin_token": None}})
+    first, second = Launcher(config, StopFlag()), Launcher(config, StopFlag())
+    assert first.admin_token and second.admin_token and first.admin_token != second.admin_token
+    assert child_env(config, first.admin_token)[ADMIN_TOKEN_ENV] == first.admin_token
+    assert first.admin_token not in dump_config(config)
+    external = RunConfig.model_validate(
+        {"inference": {"servers": [{"url": "http://x"}], "admin_token": None}}
+    )
+    assert Launcher(external, StopFlag()).admin_token is None
+    assert RunConfig().trainer.checkpoint_every > 0  # a killed trainer never re-trains from version 0
+
+
+def test_a_scoring_worker_whose_verifier_died_exits_quietly() -> None:
+    import multiprocessing
+
+    from stream_rl.stages.scoring import _worker_main
+    from stream_rl.tasks import get_task
+
+    ours, theirs = multiprocessing.Pipe()
+    theirs.close()  # the verifier was SIGKILLed: the pipe is broken
+    _worker_main(ours, get_task("arithmetic", {"num_problems": 2}))  # returns, no traceback
