@@ -224,7 +224,7 @@ class StageLoop(Generic[T]):
                 self.producer.send_offsets_to_transaction(next_offsets(msgs), self.consumer.group_metadata())
                 self.producer.commit_transaction()
             except TransactionAborted as exc:
-                self._rewind(str(exc))
+                self._rewind(str(exc), msgs)
                 return
             except BaseException:
                 self._abort()
@@ -237,17 +237,19 @@ class StageLoop(Generic[T]):
         self.stats.batches += 1
         BATCH_SECONDS.labels(self.name).observe(time.perf_counter() - started)
 
-    def _rewind(self, why: str) -> None:
-        """After an aborted transaction: back to the committed offsets, partition state rebuilt."""
+    def _rewind(self, why: str, msgs: Sequence[Message] = ()) -> None:
+        """After an aborted transaction: the batch's partitions go back to the batch's first offsets
+        (every earlier batch was committed; asking the group coordinator instead can block for good
+        right after a broker restart, since the consumer is not polled meanwhile), and the stage's
+        partition state is rebuilt from its own durable state."""
         parts = self.consumer.assignment()
-        log.warning(
-            "%s: %s: re-reading %d partitions from their committed offsets", self.name, why, len(parts)
-        )
+        log.warning("%s: %s: redoing the batch (%d records)", self.name, why, len(msgs))
         self.stats.extra["transactions_redone"] = self.stats.extra.get("transactions_redone", 0.0) + 1
-        committed = self.consumer.committed(parts)
-        for tp in parts:
-            offset = committed.get(tp, -1)
-            self.consumer.seek(tp, offset if offset >= 0 else -2)  # -2: the partition's beginning
+        first: dict[TopicPartition, int] = {}
+        for m in msgs:
+            first[m.tp] = min(first.get(m.tp, m.offset), m.offset)
+        for tp, offset in first.items():
+            self.consumer.seek(tp, offset)
         if self._user_on_revoke:
             self._user_on_revoke(parts)
         if self._user_on_assign:

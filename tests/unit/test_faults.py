@@ -320,3 +320,33 @@ def test_a_scoring_worker_whose_verifier_died_exits_quietly() -> None:
     ours, theirs = multiprocessing.Pipe()
     theirs.close()  # the verifier was SIGKILLed: the pipe is broken
     _worker_main(ours, get_task("arithmetic", {"num_problems": 2}))  # returns, no traceback
+
+
+# -- a transaction aborted by a broker outage is redone ------------------------------------------
+
+
+def test_a_transaction_aborted_by_an_outage_is_redone_from_the_batch_start() -> None:
+    from test_stage_loop import IN, OUT, loop, produce_problems
+
+    from stream_rl.errors import TransactionAborted
+
+    t = MemoryTransport()
+    t.create_topics([(IN, 2, {}), (OUT, 2, {}), ("in.dlq", 1, {})])
+    produce_problems(t, 12)
+    assigned: list[list[tuple[str, int]]] = []
+    stage = loop(t, transactional=True, on_assign=assigned.append)
+    commit = stage.producer.commit_transaction
+    calls = {"n": 0}
+
+    def flaky(timeout: float = 30.0) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second transaction: the broker went away mid-commit
+            stage.producer.abort_transaction()
+            raise TransactionAborted("commit_transaction: Broker: Not coordinator (transaction aborted)")
+        commit(timeout)
+
+    stage.producer.commit_transaction = flaky  # type: ignore[method-assign]
+    stats = stage.run(max_records=16, idle_timeout_s=0.5)
+    keys = sorted(m.key for m in t.messages(OUT))
+    assert len(keys) == 12 and len(set(keys)) == 12  # nothing lost, nothing twice
+    assert stats.extra["transactions_redone"] == 1 and len(assigned) >= 1
