@@ -187,7 +187,7 @@ class TrainerStage:
             checkpoint_uri=checkpoint_uri,
             metrics=metrics,
         )
-        known = self.history.get(st.version)
+        known = self.history.pop(st.version, None)
         if known is not None:
             if known.checksum == wv.checksum:
                 self.stats.verified += 1
@@ -204,7 +204,6 @@ class TrainerStage:
             wv.metrics["checksum_mismatch"] = 1.0
         self.producer.produce(self.out_topic, self.serde.encode(wv), key=self.config.run)
         self.producer.flush()
-        self.history.setdefault(st.version, wv)
         self.stats.published += 1
 
     def _checkpoint(self, consumer: Consumer | None) -> str:
@@ -307,7 +306,10 @@ class TrainerStage:
         UP.labels(STAGE).set(1)
         try:
             self._load()
-            self.history = by_version(read_weight_versions(self.transport, self.names, self.serde))
+            # Only the versions this process may re-train (those after its checkpoint) are kept: the
+            # lineage of a long run would otherwise stay in memory (and grow with every version).
+            lineage = by_version(read_weight_versions(self.transport, self.names, self.serde))
+            self.history = {v: wv for v, wv in lineage.items() if v >= self.state.version}
             self.producer = producer = self.transport.producer(f"{STAGE}-{self.config.run}")
             consumer = self.transport.consumer(self.names.group(STAGE), STAGE)
             if self.pusher is not None:
