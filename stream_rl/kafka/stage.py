@@ -265,9 +265,12 @@ class StageLoop(Generic[T]):
         if self.on_idle is None:
             return
         if self.transactional:
+            results = list(self.on_idle())
+            if not results:
+                return  # no transaction for nothing (an idle stage polls several times a second)
             self.producer.begin_transaction()
             try:
-                self._emit(self.on_idle())
+                self._emit(results)
                 self.producer.commit_transaction()
             except TransactionAborted as exc:
                 self._rewind(str(exc))
