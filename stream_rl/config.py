@@ -179,8 +179,11 @@ class PreprocessorConfig(Model):
     of training-batches, which include one transaction marker per transaction: conservative)."""
     batch_size: int = Field(64, ge=1)
     """Scored records per poll; each poll is one Kafka transaction."""
-    dedupe_window: int = Field(10000, ge=1)
-    """Closed groups remembered per partition (in the state topic) to drop late duplicates."""
+    dedupe_window: int = Field(2000, ge=1)
+    """Closed groups remembered per partition (in the state topic) to drop late duplicates. Late
+    duplicates come from a restarted upstream stage redoing its uncommitted work, a few steps'
+    worth; the trainer drops any that slip through (`trainer.dedupe_window`). The memory it costs
+    is bounded by it (~150 bytes a group)."""
     max_batch_bytes: int = Field(1_000_000, ge=4096)
     """Encoded size limit of one TrainingBatch record; a larger pack is split."""
 
