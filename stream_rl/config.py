@@ -398,5 +398,6 @@ def dump_config(config: RunConfig) -> str:
     """The resolved config as YAML, as written into run directories. Secrets are left out (they
     travel in the environment), so the file reloads to the same config minus the secret."""
     data = config.model_dump(mode="json")
-    data["inference"]["admin_token"] = None
+    # Left out, not null: the reloaded config then takes it from $STREAM_RL_ADMIN_TOKEN again.
+    data["inference"].pop("admin_token", None)
     return yaml.safe_dump(data, sort_keys=False)

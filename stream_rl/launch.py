@@ -469,10 +469,14 @@ def _die_with_parent() -> None:
 
 def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
     r = summary.get("reward", {})
+
+    def num(x: Any) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
     print(
-        f"\nrun finished ({summary.get('exit_reason')}) in {summary.get('wall_s', 0):.0f}s: "
+        f"\nrun finished ({summary.get('exit_reason')}) in {summary.get('wall_s') or 0:.0f}s: "
         f"versions {summary.get('versions', {}).get('last', '-')}, "
-        f"reward {r.get('first3_mean', float('nan')):.3f} -> {r.get('last3_mean', float('nan')):.3f}"
+        f"reward {num(r.get('first3_mean'))} -> {num(r.get('last3_mean'))}"
     )
     print(f"summary: {run_dir / 'summary.json'}; plots: {run_dir / 'plots'}")
 

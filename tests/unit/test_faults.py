@@ -350,3 +350,24 @@ def test_a_transaction_aborted_by_an_outage_is_redone_from_the_batch_start() -> 
     keys = sorted(m.key for m in t.messages(OUT))
     assert len(keys) == 12 and len(set(keys)) == 12  # nothing lost, nothing twice
     assert stats.extra["transactions_redone"] == 1 and len(assigned) >= 1
+
+
+def test_the_admin_token_reaches_children_through_their_config_and_environment(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import yaml
+
+    from stream_rl.config import ADMIN_TOKEN_ENV, RunConfig, dump_config
+
+    text = dump_config(RunConfig.model_validate({"inference": {"admin_token": "s3cret"}}))
+    assert "s3cret" not in text and "admin_token" not in text
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, "s3cret")  # what the launcher puts in a child's environment
+    child = RunConfig.model_validate(yaml.safe_load(text))
+    assert (
+        child.inference.admin_token is not None and child.inference.admin_token.get_secret_value() == "s3cret"
+    )
+
+
+def test_the_run_summary_line_survives_a_run_without_rewards(capsys) -> None:  # type: ignore[no-untyped-def]
+    from stream_rl.launch import _print_summary
+
+    _print_summary({"exit_reason": "stopped", "wall_s": None, "reward": {"first3_mean": None}}, Path("r"))
+    assert "reward - -> -" in capsys.readouterr().out
