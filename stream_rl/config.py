@@ -38,6 +38,9 @@ class KafkaConfig(Model):
     """Port of the local broker (the controller listens on port + 1)."""
     partitions: int | None = Field(None, ge=1)
     """Override the partition count of every data topic (topology default otherwise)."""
+    compression: Literal["none", "lz4", "zstd", "gzip", "snappy"] = "zstd"
+    """Compression of every record the stages produce (the broker decompresses each batch to
+    validate it: its CPU cost per batch; see README Performance)."""
     outage_timeout_s: float = Field(120.0, gt=0)
     """How long every client waits out a broker that stopped answering (a restart) before failing
     with an error; a broker that never answered fails within 10 s."""

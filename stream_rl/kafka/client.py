@@ -28,6 +28,7 @@ from stream_rl.kafka.transport import (
 )
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+DEFAULT_COMPRESSION = "zstd"
 log = logging.getLogger("stream_rl.kafka")
 T = TypeVar("T")
 
@@ -95,6 +96,7 @@ class KafkaProducer:
         transactional_id: str | None = None,
         extra: Mapping[str, Any] | None = None,
         outage_s: float = DEFAULT_OUTAGE_S,
+        compression: str = DEFAULT_COMPRESSION,
     ) -> None:
         self.outage_s = outage_s
         self._fatal = _Errors(client_id)
@@ -106,7 +108,7 @@ class KafkaProducer:
             "enable.idempotence": True,
             "acks": "all",
             "linger.ms": 5,
-            "compression.type": "zstd",
+            "compression.type": compression,
             "message.max.bytes": MAX_MESSAGE_BYTES,
         }
         if transactional_id:
@@ -379,9 +381,12 @@ class KafkaConsumer:
 class KafkaTransport:
     """Factory of clients for one cluster, plus the admin calls the stages need."""
 
-    def __init__(self, bootstrap: str, outage_s: float = DEFAULT_OUTAGE_S) -> None:
+    def __init__(
+        self, bootstrap: str, outage_s: float = DEFAULT_OUTAGE_S, compression: str = DEFAULT_COMPRESSION
+    ) -> None:
         self.bootstrap = bootstrap
         self.outage_s = outage_s
+        self.compression = compression
         """How long calls wait out a broker that does not answer (`kafka.outage_timeout_s`)."""
         self._admin: AdminClient | None = None
         self._offset_readers: dict[str, ck.Consumer] = {}
@@ -404,7 +409,9 @@ class KafkaTransport:
         check_reachable(self.bootstrap, timeout)
 
     def producer(self, client_id: str, transactional_id: str | None = None) -> KafkaProducer:
-        return KafkaProducer(self.bootstrap, client_id, transactional_id, outage_s=self.outage_s)
+        return KafkaProducer(
+            self.bootstrap, client_id, transactional_id, outage_s=self.outage_s, compression=self.compression
+        )
 
     def consumer(self, group_id: str | None, client_id: str, instance_id: str | None = None) -> KafkaConsumer:
         extra: dict[str, Any] | None = None

@@ -421,7 +421,9 @@ def main(args: argparse.Namespace) -> int:
             deepspeed_backend.follow(config)
             return 0
     transport = KafkaTransport(
-        resolve_bootstrap(args.bootstrap, config.kafka.bootstrap), outage_s=config.kafka.outage_timeout_s
+        resolve_bootstrap(args.bootstrap, config.kafka.bootstrap),
+        outage_s=config.kafka.outage_timeout_s,
+        compression=config.kafka.compression,
     )
     transport.check_reachable()
     port = args.metrics_port if args.metrics_port is not None else config.trainer.metrics_port
