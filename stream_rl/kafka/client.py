@@ -59,6 +59,30 @@ def check_reachable(bootstrap: str, timeout: float | None = None) -> None:
         time.sleep(0.3)
 
 
+def _bounded(what: str, call: Callable[[float], None], timeout: float) -> None:
+    """`call(timeout)` in a helper thread, abandoned with a KafkaError if it has not returned well
+    after its timeout: right after a broker restart librdkafka's send_offsets_to_transaction was
+    seen blocking for minutes past it (the preprocessor then hung; now it fails, and is restarted)."""
+    import threading
+
+    box: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call(timeout)
+            box.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread below
+            box.append(exc)
+
+    thread = threading.Thread(target=run, name=f"kafka-{what}", daemon=True)
+    thread.start()
+    thread.join(timeout + 15.0)
+    if not box:
+        raise KafkaError(f"{what}: librdkafka did not return within {timeout + 15:.0f}s (restart the stage)")
+    if box[0] is not None:
+        raise box[0]
+
+
 class _Errors:
     """The `error_cb` of a client: fatal errors are kept (the next call raises them: a fenced
     static member's consumer otherwise just stops delivering, and its stage hangs); the others,
@@ -195,7 +219,7 @@ class KafkaProducer:
         backoff = Backoff(what, self.outage_s)
         while True:
             try:
-                call(min(timeout, max(backoff.left(), 1.0)))
+                _bounded(what, call, min(timeout, max(backoff.left(), 1.0)))
                 backoff.done()
                 return
             except ck.KafkaException as exc:
@@ -224,7 +248,7 @@ class KafkaProducer:
 
     def abort_transaction(self, timeout: float = 30.0) -> None:
         def call() -> None:
-            self._p.abort_transaction(timeout)
+            _bounded("abort_transaction", self._p.abort_transaction, timeout)
 
         retry(call, "abort_transaction", self.outage_s, _fail)
         self._errors.clear()
