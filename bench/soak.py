@@ -55,8 +55,10 @@ def _tree() -> dict[int, list[int]]:
     return children
 
 
-def _measure(pid: int, tree: dict[int, list[int]], exclude: set[int]) -> tuple[float, int]:
-    """CPU seconds and RSS of `pid` and its descendants (not those in `exclude`)."""
+def _measure(pid: int, tree: dict[int, list[int]], exclude: set[int]) -> tuple[float, int] | None:
+    """CPU seconds and RSS of `pid` and its descendants (not those in `exclude`); None when gone."""
+    if _stat(pid) is None:
+        return None
     cpu, rss, todo = 0.0, 0, [pid]
     while todo:
         p = todo.pop()
@@ -88,6 +90,12 @@ def main() -> int:
     ap.add_argument("--every", type=float, default=10.0, help="seconds between samples")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--name", default="soak")
+    ap.add_argument(
+        "--repo",
+        type=Path,
+        default=REPO,
+        help="checkout whose stream_rl runs (e.g. an export of main, for a before/after comparison)",
+    )
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="soak-"))
@@ -97,12 +105,14 @@ def main() -> int:
     cmd = [
         sys.executable, "-m", "stream_rl.cli", "run", args.config,
         "--set", f"kafka.bootstrap={state.bootstrap}", "--set", f"runs_dir={work / 'runs'}",
-        "--set", "trainer.max_steps=1000000", "--set", "loader.epochs=100000",
+        # Enough problems for the whole run at a few steps a second (the demo: 1,000 per epoch).
+        "--set", "trainer.max_steps=1000000", "--set", f"loader.epochs={max(5, int(args.minutes * 3) + 2)}",
         "--set", f"launcher.max_wall_s={wall:.0f}", "--set", f"inference.base_port={free_port()}",
         *[x for o in args.overrides for x in ("--set", o)],
     ]  # fmt: skip
     log = open(work / "launcher.log", "w")  # noqa: SIM115 - closed at the end
-    launcher = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    # `python -m` from the checkout: its own stream_rl (and schemas) come first on the path.
+    launcher = subprocess.Popen(cmd, cwd=args.repo, stdout=log, stderr=subprocess.STDOUT)
     samples: dict[str, list[tuple[float, float, int]]] = {}
     t0 = time.monotonic()
     try:
@@ -117,8 +127,9 @@ def main() -> int:
             named = set(procs.values())
             for name, pid in procs.items():
                 # The launcher's own figures, not its children's (they are measured by name).
-                cpu, rss = _measure(pid, tree, named - {pid})
-                samples.setdefault(name, []).append((now, cpu, rss))
+                measured = _measure(pid, tree, named - {pid})
+                if measured is not None and measured[1] > 0:  # a zombie has no RSS
+                    samples.setdefault(name, []).append((now, *measured))
     finally:
         if launcher.poll() is None:
             launcher.terminate()
@@ -151,7 +162,14 @@ def main() -> int:
         )
     out = REPO / "bench" / "results" / f"{args.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"config": args.config, "minutes": args.minutes, "warmup_min": args.warmup, "rows": rows}
+    result = {
+        "config": args.config,
+        "repo": str(args.repo),
+        "overrides": args.overrides,
+        "minutes": args.minutes,
+        "warmup_min": args.warmup,
+        "rows": rows,
+    }
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}; run log {work / 'launcher.log'}")
     return 0

@@ -147,8 +147,8 @@ class ActorConfig(Model):
     """Seed each request from the run seed and the rollout id, so a re-generated rollout (after a
     crash) samples the same tokens when the weights are the same."""
     refresh_s: float = Field(2.0, gt=0)
-    """Admission: how often the actor group's committed offsets, DLQ count and live members are
-    re-read (the other actors' progress; one actor needs none of it after start)."""
+    """Admission: how often the actor group's committed offsets and DLQ count are re-read (the other
+    actors' progress), with `launcher.actors` > 1; one actor reads them once, at start."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Sampling parameters of training rollouts."""
 

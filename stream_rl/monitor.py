@@ -20,7 +20,8 @@ from stream_rl.kafka.lag import LagExporter
 from stream_rl.kafka.topics import PROBLEMS, RAW_ROLLOUTS, SCORED, TRAINING_BATCHES, TopicNames
 from stream_rl.watchdog import Sample
 
-SAMPLE_EVERY_S = 2.0
+SAMPLE_EVERY_S = 5.0
+"""Lag and offsets sampling period (each sample is a few dozen broker requests)."""
 STAGE_TOPICS = {
     "loader": PROBLEMS,
     "actor": RAW_ROLLOUTS,

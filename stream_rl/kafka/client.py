@@ -288,7 +288,7 @@ class KafkaConsumer:
             "max.partition.fetch.bytes": MAX_MESSAGE_BYTES,
             # The broker answers a fetch as soon as any data is there (fetch.min.bytes=1); this only
             # bounds an idle fetch, so it can be long without adding latency.
-            "fetch.wait.max.ms": 250,
+            "fetch.wait.max.ms": 500,
             "session.timeout.ms": 6000,  # the broker minimum: a dead member is noticed fast
             "heartbeat.interval.ms": 1000,
             "max.poll.interval.ms": 600000,

@@ -128,7 +128,9 @@ class Actor:
     # -- Kafka side --------------------------------------------------------------------------
     async def _refresh(self, force: bool = False) -> None:
         now = time.monotonic()
-        if not force and now - self._last_refresh < self.cfg.refresh_s:
+        if not force and (self.config.launcher.actors == 1 or now - self._last_refresh < self.cfg.refresh_s):
+            # One actor knows its own commits and dead letters: the view it read at start plus
+            # those is exact, and re-reading it cost the broker a few admin requests a second.
             return
         self._last_refresh = now
         try:

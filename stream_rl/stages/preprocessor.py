@@ -60,6 +60,8 @@ STATE = "preprocessor-state"
 CONSUMES = SCORED
 PRODUCES = (TRAINING_BATCHES, STATE)
 
+BACKLOG_CHECK_S = 1.0
+"""How often the backlog is re-read while within the bound (each check is broker requests)."""
 GROUPS = Counter("stream_rl_preprocessor_groups", "Complete groups by outcome", ["outcome"])
 
 
@@ -307,7 +309,7 @@ class Preprocessor:
 
     def hold(self) -> None:
         """`before_poll`: wait while the trainer is more than `max_untrained_batches` behind."""
-        if time.monotonic() - self._backlog_checked < 0.5:
+        if time.monotonic() - self._backlog_checked < BACKLOG_CHECK_S:
             return  # checked a moment ago, and it was within the bound
         while not self.stop:
             backlog = self.untrained()
