@@ -160,6 +160,9 @@ class VerifierConfig(Model):
     """Scoring processes (0 = score in the stage process, without timeouts enforcement by kill)."""
     batch_size: int = Field(64, ge=1)
     """Records scored per poll."""
+    commit_every_s: float = Field(0.5, ge=0)
+    """Commit consumed offsets at most this often (0: after every poll). Each commit is a broker
+    write; a crash re-scores at most this much (the preprocessor drops the duplicates)."""
 
 
 class PreprocessorConfig(Model):
@@ -182,6 +185,11 @@ class PreprocessorConfig(Model):
     of training-batches, which include one transaction marker per transaction: conservative)."""
     batch_size: int = Field(64, ge=1)
     """Scored records per poll; each poll is one Kafka transaction."""
+    linger_s: float = Field(0.5, ge=0)
+    """After a poll's first records, keep collecting up to `batch_size` for this long: one
+    transaction per ~half second instead of one per group. Transactions were the broker's main
+    cost (measured ~2% of a core per transaction a second; README Performance); the price is up
+    to this much latency before a complete group reaches the trainer."""
     dedupe_window: int = Field(2000, ge=1)
     """Closed groups remembered per partition (in the state topic) to drop late duplicates. Late
     duplicates come from a restarted upstream stage redoing its uncommitted work, a few steps'

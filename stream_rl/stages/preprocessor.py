@@ -344,6 +344,7 @@ def stage_loop(pre: Preprocessor, before_poll: Callable[[], None] | None) -> Sta
         # Stable per instance: a restarted instance fences its killed predecessor at once.
         transactional_id=f"{config.kafka.prefix}.{config.run}.preprocessor.{pre.instance}",
         batch_size=config.preprocessor.batch_size,
+        linger_s=config.preprocessor.linger_s,
         on_assign=pre.on_assign,
         on_revoke=pre.on_revoke,
         on_idle=pre.on_idle,
