@@ -261,7 +261,7 @@ class TrainerConfig(Model):
     """Target row length when packing a micro-batch (rows are balanced and padded to the longest;
     a longer sample sets the length). Attention cost is quadratic in the row length, padding
     shrinks as rows grow: `bench/trainer.py` measures both."""
-    dedupe_window: int = Field(100_000, ge=1)
+    dedupe_window: int = Field(20_000, ge=1)
     """Sample ids remembered (and saved with each checkpoint) so that none trains twice, whatever
     arrives on training-batches (`stream_rl/train/dedupe.py`)."""
     keep_checkpoints: int = Field(2, ge=1)

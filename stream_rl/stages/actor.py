@@ -76,7 +76,7 @@ IN_FLIGHT = Gauge("stream_rl_actor_in_flight_samples", "Samples admitted and not
 SERVER_LIVE = Gauge("stream_rl_actor_server_live", "1 while a server is in routing", ["actor", "server"])
 
 POLL_BATCH = 16
-SEEN_WINDOW = 100_000
+SEEN_WINDOW = 20_000
 COMMIT_EVERY_S = 0.5  # each commit is a broker write: a crash redoes at most this much
 
 

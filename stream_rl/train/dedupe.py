@@ -7,7 +7,7 @@ whose `batch_id` was seen is dropped whole (its `num_filtered` included, which w
 be counted twice), and a sample whose `rollout_id` was seen is dropped from its batch. Dropped
 samples are counted (`duplicates`), never trained, never counted as consumed.
 
-Memory is bounded by `capacity` (default `trainer.dedupe_window`, 100,000 ids, a few MB). The
+Memory is bounded by `capacity` (default `trainer.dedupe_window`, 20,000 ids, about 3 MB). The
 guarantee is "at most once among the last `capacity` samples": duplicates come from re-delivery,
 which arrives within a few steps of the original. The windows are part of every checkpoint
 (`dedupe.json`), so a restarted trainer, which re-consumes from its checkpoint's offsets, takes
@@ -55,7 +55,7 @@ class SeenWindow:
 class TrainedIds:
     """See the module docstring."""
 
-    def __init__(self, capacity: int = 100_000) -> None:
+    def __init__(self, capacity: int = 20_000) -> None:
         self.samples = SeenWindow(capacity)
         self.batches = SeenWindow(max(capacity // 8, 1))
         # The step being filled: its ids join the windows when the step is taken, so that a step
