@@ -53,6 +53,19 @@ def _versions(consumer: ck.Consumer, decoder: Decoder, seen: dict[int, dict[str,
     return max(seen, default=-1)
 
 
+def _up(broker: Any) -> None:
+    """Start the broker again; on a starved machine a restart can miss the 60 s readiness wait."""
+    from stream_rl.errors import BrokerError
+
+    for attempt in range(3):
+        try:
+            broker.up(quiet=True)
+            return
+        except BrokerError:
+            if attempt == 2:
+                raise
+
+
 @pytest.fixture(scope="module")
 def chaos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from stream_rl.inference.model_maker import make_model
@@ -114,7 +127,7 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 if action == "bounce":
                     broker.down(quiet=True)
                     time.sleep(1)
-                    broker.up(quiet=True)
+                    _up(broker)
                 else:
                     pid = json.loads((run_dir / "processes.json").read_text())["pids"][action]
                     os.kill(pid, signal.SIGKILL)
