@@ -59,6 +59,15 @@ def check_reachable(bootstrap: str, timeout: float | None = None) -> None:
         time.sleep(0.3)
 
 
+BOUNDED_GRACE_S = 15.0
+"""How long past its own timeout a librdkafka call is waited for before it is abandoned."""
+
+
+class Wedged(KafkaError):
+    """A librdkafka call did not return: the client is unusable (any further transaction call
+    conflicts with the abandoned one); the stage must exit and be restarted."""
+
+
 def _bounded(what: str, call: Callable[[float], None], timeout: float) -> None:
     """`call(timeout)` in a helper thread, abandoned with a KafkaError if it has not returned well
     after its timeout: right after a broker restart librdkafka's send_offsets_to_transaction was
@@ -76,9 +85,10 @@ def _bounded(what: str, call: Callable[[float], None], timeout: float) -> None:
 
     thread = threading.Thread(target=run, name=f"kafka-{what}", daemon=True)
     thread.start()
-    thread.join(timeout + 15.0)
+    thread.join(timeout + BOUNDED_GRACE_S)
     if not box:
-        raise KafkaError(f"{what}: librdkafka did not return within {timeout + 15:.0f}s (restart the stage)")
+        limit = timeout + BOUNDED_GRACE_S
+        raise Wedged(f"{what}: librdkafka did not return within {limit:.0f}s (restart the stage)")
     if box[0] is not None:
         raise box[0]
 
@@ -143,6 +153,7 @@ class KafkaProducer:
         conf.update(extra or {})
         self._p = ck.Producer(conf)
         self._errors: list[str] = []
+        self._wedged = False
 
     def _on_delivery(self, err: ck.KafkaError | None, msg: ck.Message) -> None:
         if err is not None:
@@ -222,6 +233,9 @@ class KafkaProducer:
                 _bounded(what, call, min(timeout, max(backoff.left(), 1.0)))
                 backoff.done()
                 return
+            except Wedged:
+                self._wedged = True
+                raise
             except ck.KafkaException as exc:
                 err = exc.args[0] if exc.args else None
                 if isinstance(err, ck.KafkaError) and err.txn_requires_abort():
@@ -247,6 +261,9 @@ class KafkaProducer:
         self._errors.clear()
 
     def abort_transaction(self, timeout: float = 30.0) -> None:
+        if self._wedged:
+            raise Wedged("abort_transaction: the producer is wedged (an abandoned call); restart the stage")
+
         def call() -> None:
             _bounded("abort_transaction", self._p.abort_transaction, timeout)
 

@@ -371,3 +371,16 @@ def test_the_run_summary_line_survives_a_run_without_rewards(capsys) -> None:  #
 
     _print_summary({"exit_reason": "stopped", "wall_s": None, "reward": {"first3_mean": None}}, Path("r"))
     assert "reward - -> -" in capsys.readouterr().out
+
+
+def test_a_transaction_call_that_never_returns_wedges_the_producer_instead_of_hanging(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import time as _time
+
+    from stream_rl.kafka import client
+
+    monkeypatch.setattr(client, "BOUNDED_GRACE_S", 0.2)
+    producer = client.KafkaProducer("127.0.0.1:1", "wedge-test", transactional_id="tx-wedge")
+    with pytest.raises(client.Wedged, match="did not return"):
+        producer._transaction_step("commit_transaction", lambda t: _time.sleep(5), timeout=0.1)
+    with pytest.raises(client.Wedged, match="wedged"):
+        producer.abort_transaction()  # no conflicting second call: the stage exits and restarts
