@@ -46,6 +46,12 @@ class KafkaConfig(Model):
     """Port of the local broker (the controller listens on port + 1)."""
     partitions: int | None = Field(None, ge=1)
     """Override the partition count of every data topic (topology default otherwise)."""
+    compression: Literal["none", "lz4", "zstd", "gzip", "snappy"] = "zstd"
+    """Compression of every record the stages produce (the broker decompresses each batch to
+    validate it: its CPU cost per batch; see README Performance)."""
+    outage_timeout_s: float = Field(120.0, gt=0)
+    """How long every client waits out a broker that stopped answering (a restart) before failing
+    with an error; a broker that never answered fails within 10 s."""
 
     def resolved_bootstrap(self) -> str:
         """The bootstrap address: config, then environment, then the local broker's default."""
@@ -229,8 +235,8 @@ class ActorConfig(Model):
     """Seed each request from the run seed and the rollout id, so a re-generated rollout (after a
     crash) samples the same tokens when the weights are the same."""
     refresh_s: float = Field(2.0, gt=0)
-    """Admission: how often the actor group's committed offsets, DLQ count and live members are
-    re-read (the other actors' progress; one actor needs none of it after start)."""
+    """Admission: how often the actor group's committed offsets and DLQ count are re-read (the other
+    actors' progress), with `launcher.actors` > 1; one actor reads them once, at start."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Sampling parameters of training rollouts."""
 
@@ -242,6 +248,9 @@ class VerifierConfig(Model):
     """Scoring processes (0 = score in the stage process, without timeouts enforcement by kill)."""
     batch_size: int = Field(64, ge=1)
     """Records scored per poll."""
+    commit_every_s: float = Field(0.5, ge=0)
+    """Commit consumed offsets at most this often (0: after every poll). Each commit is a broker
+    write; a crash re-scores at most this much (the preprocessor drops the duplicates)."""
 
 
 class PreprocessorConfig(Model):
@@ -264,8 +273,16 @@ class PreprocessorConfig(Model):
     of training-batches, which include one transaction marker per transaction: conservative)."""
     batch_size: int = Field(64, ge=1)
     """Scored records per poll; each poll is one Kafka transaction."""
-    dedupe_window: int = Field(10000, ge=1)
-    """Closed groups remembered per partition (in the state topic) to drop late duplicates."""
+    linger_s: float = Field(0.5, ge=0)
+    """After a poll's first records, keep collecting up to `batch_size` for this long: one
+    transaction per ~half second instead of one per group. Transactions were the broker's main
+    cost (measured ~2% of a core per transaction a second; README Performance); the price is up
+    to this much latency before a complete group reaches the trainer."""
+    dedupe_window: int = Field(2000, ge=1)
+    """Closed groups remembered per partition (in the state topic) to drop late duplicates. Late
+    duplicates come from a restarted upstream stage redoing its uncommitted work, a few steps'
+    worth; the trainer drops any that slip through (`trainer.dedupe_window`). The memory it costs
+    is bounded by it (~150 bytes a group)."""
     max_batch_bytes: int = Field(1_000_000, ge=4096)
     """Encoded size limit of one TrainingBatch record; a larger pack is split."""
 
@@ -299,8 +316,9 @@ class TrainerConfig(Model):
     """Entropy bonus coefficient."""
     overlong_filtering: bool = False
     """Zero the loss of sequences that hit max_tokens."""
-    checkpoint_every: int = Field(0, ge=0)
-    """Checkpoint every N steps (0 = only on stop)."""
+    checkpoint_every: int = Field(10, ge=0)
+    """Checkpoint every N steps, so a killed trainer re-trains at most N steps (also at max_steps
+    and on SIGTERM; 0 = only then, and a killed trainer restarts from version 0)."""
     checkpoint_dir: str | None = None
     """Checkpoint directory (default `runs/<run>/trainer/checkpoints`)."""
     deterministic: bool = True
@@ -331,6 +349,9 @@ class TrainerConfig(Model):
     """Target row length when packing a micro-batch (rows are balanced and padded to the longest;
     a longer sample sets the length). Attention cost is quadratic in the row length, padding
     shrinks as rows grow: `bench/trainer.py` measures both."""
+    dedupe_window: int = Field(20_000, ge=1)
+    """Sample ids remembered (and saved with each checkpoint) so that none trains twice, whatever
+    arrives on training-batches (`stream_rl/train/dedupe.py`)."""
     keep_checkpoints: int = Field(2, ge=1)
     """Checkpoints kept on disk (the oldest are deleted after a new one is durable)."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
@@ -350,6 +371,10 @@ class LauncherConfig(Model):
     """Preprocessor processes."""
     max_wall_s: float | None = Field(None, gt=0)
     """Stop the run after this many seconds."""
+    stall_timeout_s: float | None = Field(300.0, gt=0)
+    """Progress watchdog: no new weight version for this long while the stages are alive stops the
+    run with an error naming the stuck stage (with `restart`, the stuck stage is restarted once
+    first). None: off."""
     keep_broker: bool = False
     """Leave the local broker the launcher started running after the run (its data stays on disk
     either way; `stream-rl kafka up` brings it back for replay)."""
@@ -482,5 +507,6 @@ def dump_config(config: RunConfig) -> str:
     """The resolved config as YAML, as written into run directories. Secrets are left out (they
     travel in the environment), so the file reloads to the same config minus the secret."""
     data = config.model_dump(mode="json")
-    data["inference"]["admin_token"] = None
+    # Left out, not null: the reloaded config then takes it from $STREAM_RL_ADMIN_TOKEN again.
+    data["inference"].pop("admin_token", None)
     return yaml.safe_dump(data, sort_keys=False)

@@ -17,6 +17,11 @@ class KafkaError(StreamRLError):
     """The broker or a Kafka client failed (unreachable, delivery failed, transaction aborted)."""
 
 
+class TransactionAborted(KafkaError):
+    """A transaction had to be aborted (the broker went away in the middle of it): nothing of it
+    is visible downstream; the consumer must go back to its committed offsets."""
+
+
 class BrokerError(KafkaError):
     """The local broker could not be fetched, started or stopped."""
 

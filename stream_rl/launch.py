@@ -31,7 +31,9 @@ from stream_rl.contracts import WeightVersionKind
 from stream_rl.errors import StreamRLError
 from stream_rl.inference.servers import check_engine, launch_for
 from stream_rl.kafka.broker import LocalBroker, free_port
+from stream_rl.kafka.outage import REACHABLE_WAIT_ENV
 from stream_rl.kafka.stage import StopFlag
+from stream_rl.watchdog import Watchdog
 
 STOP_GRACE_S = 20.0
 SAMPLE_EVERY_S = 2.0
@@ -62,10 +64,25 @@ class Child:
             return "(no log)"
 
 
-def child_env(config: RunConfig) -> dict[str, str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def run_admin_token(config: RunConfig) -> str | None:
+    """The token guarding the launched servers' `/weights/*`: the configured one, else a fresh one
+    per run (when the launcher starts the servers). It travels in the children's environment only,
+    never into run directories or logs."""
     if config.inference.admin_token is not None:
-        env[ADMIN_TOKEN_ENV] = config.inference.admin_token.get_secret_value()
+        return config.inference.admin_token.get_secret_value()
+    if config.inference.servers or config.inference.num_servers == 0:
+        return None  # servers started by the user carry the token they were given (if any)
+    import secrets
+
+    return secrets.token_urlsafe(32)
+
+
+def child_env(config: RunConfig, admin_token: str | None = None) -> dict[str, str]:
+    # The launcher has reached the broker: a child (re)started during an outage waits it out
+    # instead of failing fast as for a wrong address.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", REACHABLE_WAIT_ENV: str(config.kafka.outage_timeout_s)}
+    if admin_token is not None:
+        env[ADMIN_TOKEN_ENV] = admin_token
     return env
 
 
@@ -80,14 +97,34 @@ class Launcher:
         self.exit_reason = ""
         self.failed: Child | None = None
         self.server_startup_s = 120.0
+        self.stalled: str | None = None
+        self.admin_token = run_admin_token(config)
+        self._launcher_port: int | None = None
 
     # -- preparation -----------------------------------------------------------------------
+    def check_config(self) -> None:
+        """What the config names must exist before anything starts (one line, exit 2): the task
+        (and its params) and the model directory the trainer and the launched servers load."""
+        from stream_rl.errors import ConfigError
+        from stream_rl.tasks import get_task
+
+        cfg = self.config
+        get_task(cfg.task.name, cfg.task.params, cfg.task.system_prompt)
+        if not (Path(cfg.model.path) / "config.json").is_file():
+            raise ConfigError(
+                f"model.path: {cfg.model.path!r} is not a model directory (no config.json); build one "
+                "with `stream-rl make-model --preset tiny --out DIR`"
+            )
+
     def start_broker(self) -> str:
         from stream_rl.kafka.broker import resolve_bootstrap
+        from stream_rl.kafka.client import check_reachable
 
         cfg = self.config.kafka
         if cfg.bootstrap or os.environ.get("STREAM_RL_KAFKA_BOOTSTRAP"):
-            return resolve_bootstrap(None, cfg.bootstrap)
+            bootstrap = resolve_bootstrap(None, cfg.bootstrap)
+            check_reachable(bootstrap)  # one line within seconds when nothing answers there
+            return bootstrap
         broker = LocalBroker(cfg.data_dir, port=cfg.port)
         already_running = broker.running() is not None
         bootstrap = broker.up(quiet=False).bootstrap
@@ -135,7 +172,8 @@ class Launcher:
                 cmd = [*py, role, "--config", str(config_path), "--bootstrap", self.bootstrap]
                 if role != "loader":
                     cmd += ["--instance", str(i)]
-                self._add(name, role, cmd, metrics=role != "loader", restartable=role != "loader")
+                # The loader is idempotent (it writes only the missing records): restartable too.
+                self._add(name, role, cmd, metrics=role != "loader")
 
     def _add(
         self,
@@ -159,10 +197,13 @@ class Launcher:
     def write_ports(self, launcher_port: int) -> None:
         """processes.json (for `stream-rl status`) and prometheus-targets.json (file_sd for
         deploy/prometheus.yml)."""
+        self._launcher_port = launcher_port
         ports = {c.name: c.metrics_port for c in self.children if c.metrics_port}
         servers = self.server_urls()
-        pids = {c.name: c.proc.pid for c in self.children if c.proc}
-        (self.run_dir / "processes.json").write_text(
+        # Live children only: a dead child's pid may already belong to another process.
+        pids = {c.name: c.proc.pid for c in self.children if c.proc and c.proc.poll() is None}
+        tmp = self.run_dir / "processes.json.tmp"
+        tmp.write_text(
             json.dumps(
                 {
                     "bootstrap": self.bootstrap,
@@ -174,6 +215,7 @@ class Launcher:
                 indent=2,
             )
         )
+        tmp.replace(self.run_dir / "processes.json")  # readers never see half a file
         run = self.config.run
 
         def target(address: str, process: str, role: str) -> dict[str, Any]:
@@ -196,9 +238,12 @@ class Launcher:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**child_env(self.config), **child.env},
+                env={**child_env(self.config, self.admin_token), **child.env},
+                preexec_fn=_die_with_parent,
             )
         child.started_at = time.monotonic()
+        if self._launcher_port is not None:
+            self.write_ports(self._launcher_port)  # a restarted child's new pid, for `status`
 
     def check_server_ports(self) -> None:
         """Fail before starting anything if a launched server's port is taken (another run?)."""
@@ -278,6 +323,27 @@ class Launcher:
             return False
         return True
 
+    def handle_stall(self, watchdog: Watchdog) -> bool:
+        """The watchdog's verdict: False when the run must stop (see stream_rl/watchdog.py)."""
+        now = time.monotonic()
+        stall = watchdog.check(now)
+        if stall is None:
+            return True
+        stuck = [c for c in self.children if stall.stage is not None and c.role == stall.stage]
+        cfg = self.config.launcher
+        live = [c for c in stuck if c.proc is not None and c.proc.poll() is None]
+        if cfg.restart and live and all(c.restarts < cfg.max_restarts for c in live):
+            for child in live:
+                print(f"\n{stall.message}: killing {child.name} to restart it", file=sys.stderr)
+                assert child.proc is not None
+                child.proc.kill()
+                child.proc.wait()
+            watchdog.reset(now)
+            return True  # check_children restarts them
+        self.stalled = stall.message
+        self.exit_reason = "stalled"
+        return False
+
     def stop_all(self) -> None:
         """SIGTERM in waves, each drained before the next: producers first (so downstream
         stages see their last records), the trainer after the stages, the servers last (an
@@ -325,6 +391,7 @@ class Launcher:
         from stream_rl.monitor import RunMonitor
 
         started = time.monotonic()
+        self.check_config()
         engine_version = check_engine(self.config)
         if engine_version:
             print(f"inference engine: {self.config.inference.engine} {engine_version}", file=sys.stderr)
@@ -344,10 +411,16 @@ class Launcher:
             self.write_ports(serve_metrics(0))
             monitor.start()
             max_wall = self.config.launcher.max_wall_s
+            stall_s = self.config.launcher.stall_timeout_s
+            watchdog = Watchdog(stall_s) if stall_s is not None else None
             while not self.stop:
                 if not self.check_children():
                     break
                 monitor.tick()
+                if watchdog is not None and monitor.sample is not None:
+                    watchdog.observe(time.monotonic(), monitor.sample)
+                    if not self.handle_stall(watchdog):
+                        break
                 latest = monitor.latest
                 if latest is not None and latest.kind == WeightVersionKind.FINAL:
                     self.exit_reason = f"reached max_steps ({latest.step})"
@@ -360,6 +433,8 @@ class Launcher:
                 self.exit_reason = self.stop.reason or "stopped"
         finally:
             self.stop_all()
+            if self._launcher_port is not None:
+                self.write_ports(self._launcher_port)  # no pids left: the run is over
             monitor.close()
             summary = monitor.finish(
                 wall_s=time.monotonic() - started,
@@ -369,16 +444,33 @@ class Launcher:
         if self.failed is not None:
             print(f"\nrun {self.config.run} stopped: {self.death_message(self.failed)}", file=sys.stderr)
             return 1
+        if self.stalled is not None:
+            print(f"\nrun {self.config.run} stopped: {self.stalled}", file=sys.stderr)
+            return 1
         _print_summary(summary, self.run_dir)
         return 0
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM it when the launcher dies, however it dies (a killed or
+    crashed launcher otherwise leaves its stages running, waiting on a broker that is gone)."""
+    import contextlib
+    import ctypes
+
+    with contextlib.suppress(OSError):  # not Linux: children may outlive a crashed launcher
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
     r = summary.get("reward", {})
+
+    def num(x: Any) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
     print(
-        f"\nrun finished ({summary.get('exit_reason')}) in {summary.get('wall_s', 0):.0f}s: "
+        f"\nrun finished ({summary.get('exit_reason')}) in {summary.get('wall_s') or 0:.0f}s: "
         f"versions {summary.get('versions', {}).get('last', '-')}, "
-        f"reward {r.get('first3_mean', float('nan')):.3f} -> {r.get('last3_mean', float('nan')):.3f}"
+        f"reward {num(r.get('first3_mean'))} -> {num(r.get('last3_mean'))}"
     )
     print(f"summary: {run_dir / 'summary.json'}; plots: {run_dir / 'plots'}")
 

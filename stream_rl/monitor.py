@@ -18,8 +18,10 @@ from stream_rl.kafka.client import KafkaTransport
 from stream_rl.kafka.follower import VersionFollower
 from stream_rl.kafka.lag import LagExporter
 from stream_rl.kafka.topics import PROBLEMS, RAW_ROLLOUTS, SCORED, TRAINING_BATCHES, TopicNames
+from stream_rl.watchdog import Sample
 
-SAMPLE_EVERY_S = 2.0
+SAMPLE_EVERY_S = 5.0
+"""Lag and offsets sampling period (each sample is a few dozen broker requests)."""
 STAGE_TOPICS = {
     "loader": PROBLEMS,
     "actor": RAW_ROLLOUTS,
@@ -39,7 +41,10 @@ class RunMonitor:
         self._timeline: IO[str] | None = None
         self._follower = VersionFollower(self.kafka, self.names, client_id="launcher", keep_history=True)
         self._lag = LagExporter(self.kafka, self.names)  # also served on the launcher's /metrics
-        self._seen = 0
+        self._last_version: WeightVersion | None = None
+        self._step_offsets = 0
+        self.sample: Sample | None = None
+        """The latest progress sample (for the launcher's watchdog)."""
         self._last_sample = 0.0
         self._bar: tqdm[Any] | None = None
         self._progress = progress
@@ -71,8 +76,8 @@ class RunMonitor:
 
     def tick(self) -> None:
         """Record new versions, sample lag/offsets every few seconds, refresh the bar."""
-        history = self._follower.history
-        for wv in history[self._seen :]:
+        new = self._follower.drain()
+        for wv in new:
             # The step's metrics first: the lineage fields (cumulative counters) win on a name clash.
             self._write(
                 {
@@ -91,13 +96,17 @@ class RunMonitor:
             )
             if self._bar is not None and wv.step > self._bar.n:
                 self._bar.update(wv.step - self._bar.n)
-        self._seen = len(history)
+        for wv in new:
+            consumed = self._consumed(wv)
+            if self._last_version is not None and wv.version == self._last_version.version + 1:
+                self._step_offsets = max(consumed - self._consumed(self._last_version), 0)
+            self._last_version = wv
         now = time.time()
         if now - self._last_sample >= SAMPLE_EVERY_S:
             self._last_sample = now
             self._sample()
-        if self._bar is not None and history:
-            last = history[-1]
+        if self._bar is not None and self._last_version is not None:
+            last = self._last_version
             elapsed = max(now - self.t0, 1e-9)
             self._bar.set_postfix(
                 reward=f"{last.metrics.get('reward_mean', float('nan')):.3f}",
@@ -118,8 +127,21 @@ class RunMonitor:
                 lags[role] = lags.get(role, 0) + x.lag
         except KafkaError:
             return  # a transient admin failure costs one sample, not the run
+        latest = self._follower.latest
+        self.sample = Sample(
+            version=latest.version if latest else None,
+            outputs=offsets,
+            lags=lags,
+            untrained=max(offsets.get("preprocessor", 0) - self._consumed(latest), 0) if latest else 0,
+            step_offsets=self._step_offsets,
+        )
         self._write({"kind": "offsets", "offsets": offsets})
         self._write({"kind": "lag", "lag": lags})
+
+    def _consumed(self, wv: WeightVersion | None) -> int:
+        """Offsets of training-batches a version had consumed."""
+        topic = self.names[TRAINING_BATCHES]
+        return sum(o.offset for o in (wv.consumed_offsets if wv else []) if o.topic == topic)
 
     def close(self) -> None:
         self.tick()

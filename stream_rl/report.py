@@ -111,6 +111,11 @@ def summarize(
             "updates_with_failed_servers": sum(1 for v in versions if v.get("servers_failed")),
         },
         "samples_trained": updates[-1]["samples_trained"] if updates else 0,
+        "faults": {
+            "skipped_steps": int(sum(metric("skipped_step"))),
+            "nonfinite_micro_batches": int(sum(metric("nonfinite_micro_batches"))),
+            "duplicate_samples_dropped_by_trainer": int(sum(metric("duplicates"))),
+        },
     }
 
 

@@ -60,6 +60,7 @@ class VLLMServer:
             if not VLLM_PYTHON.exists():
                 raise RuntimeError(f"{VLLM_PYTHON} is missing: run `make vllm` (make test does)")
             from models import cached_model
+
             from stream_rl.config import load_config
             from stream_rl.inference.servers import launch_for
 

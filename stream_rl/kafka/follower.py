@@ -23,7 +23,9 @@ log = logging.getLogger(__name__)
 
 
 class VersionFollower:
-    """Keeps the latest `WeightVersion` of a run; `history` keeps every one seen, in order."""
+    """Keeps the latest `WeightVersion` of a run. With `keep_history`, `drain()` hands over every
+    one seen since the last call, in order (the caller keeps what it needs: a run of any length
+    costs the follower no memory)."""
 
     def __init__(
         self,
@@ -42,7 +44,7 @@ class VersionFollower:
         self._keep_history = keep_history
         self._cond = threading.Condition()
         self._latest: WeightVersion | None = None
-        self.history: list[WeightVersion] = []
+        self._pending: list[WeightVersion] = []
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"{client_id}-thread", daemon=True)
@@ -66,7 +68,7 @@ class VersionFollower:
                         if self._latest is None or wv.version >= self._latest.version:
                             self._latest = wv
                         if self._keep_history:
-                            self.history.append(wv)
+                            self._pending.append(wv)
                         self._cond.notify_all()
                     if self._on_version:
                         self._on_version(wv)
@@ -76,6 +78,12 @@ class VersionFollower:
                 self._cond.notify_all()
         finally:
             consumer.close()
+
+    def drain(self) -> list[WeightVersion]:
+        """The versions seen since the last call (with `keep_history`), oldest first."""
+        with self._cond:
+            out, self._pending = self._pending, []
+        return out
 
     def _check(self) -> None:
         if self._error is not None:

@@ -37,10 +37,11 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 
 from stream_rl.config import RunConfig, load_config
 from stream_rl.contracts import PartitionOffset, TrainingBatch, WeightVersion, WeightVersionKind
-from stream_rl.errors import ConfigError, ContractError
+from stream_rl.errors import ConfigError, ContractError, KafkaError
 from stream_rl.kafka.serde import Serde, default_serde
 from stream_rl.kafka.stage import StopFlag, dlq_headers
 from stream_rl.kafka.topics import TRAINING_BATCHES, WEIGHT_VERSIONS, TopicNames
@@ -57,6 +58,7 @@ from stream_rl.train.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
+from stream_rl.train.dedupe import TrainedIds
 from stream_rl.train.lineage import by_version, read_weight_versions
 from stream_rl.train.push import PushOutcome, WeightPusher, connect_servers, make_sender, rejoin_dropped
 from stream_rl.train.record import write_run_record
@@ -83,6 +85,10 @@ class TrainerStats:
     verified: int = 0
     """Re-trained versions found in the lineage with the same checksum (not published again)."""
     mismatches: int = 0
+    duplicates: int = 0
+    """Samples dropped because their id was trained before (`stream_rl.train.dedupe`)."""
+    skipped_steps: int = 0
+    """Steps whose gradient was not finite (not applied)."""
     checksum: str = ""
     stopped_by: str = ""
 
@@ -123,6 +129,7 @@ class TrainerStage:
     def _load(self) -> None:
         ckpt = latest_checkpoint(self.ckpt_dir)
         self.trainer = build_trainer(self.config, ckpt / "model" if ckpt else None)
+        self.trained = TrainedIds.load(ckpt, self.tcfg.dedupe_window)
         if ckpt is None:
             self.state = TrainerState(checksum=self.trainer.checksum())
             write_run_record(self.config, self.state.checksum)
@@ -176,7 +183,7 @@ class TrainerStage:
             checkpoint_uri=checkpoint_uri,
             metrics=metrics,
         )
-        known = self.history.get(st.version)
+        known = self.history.pop(st.version, None)
         if known is not None:
             if known.checksum == wv.checksum:
                 self.stats.verified += 1
@@ -193,18 +200,27 @@ class TrainerStage:
             wv.metrics["checksum_mismatch"] = 1.0
         self.producer.produce(self.out_topic, self.serde.encode(wv), key=self.config.run)
         self.producer.flush()
-        self.history.setdefault(st.version, wv)
         self.stats.published += 1
 
     def _checkpoint(self, consumer: Consumer | None) -> str:
-        path = save_checkpoint(
-            self.ckpt_dir, self.trainer.save_to, self.state, keep=self.tcfg.keep_checkpoints
-        )
+        def write(directory: Path) -> None:
+            self.trainer.save_to(directory)
+            self.trained.save(directory)
+
+        path = save_checkpoint(self.ckpt_dir, write, self.state, keep=self.tcfg.keep_checkpoints)
         self._checkpointed_step = self.state.step
         tm.CHECKPOINTS.inc()
         if consumer is not None and self.state.offsets:
-            consumer.commit(dict(self.state.offsets))  # only now: the checkpoint is durable
+            self._commit(consumer)  # only now: the checkpoint is durable
         return path.resolve().as_uri()
+
+    def _commit(self, consumer: Consumer) -> None:
+        """Commit the checkpoint's offsets to the group. They are informational (lag, status): the
+        trainer resumes from its checkpoint's own offsets, so a failure is logged, not fatal."""
+        try:
+            consumer.commit(dict(self.state.offsets))
+        except KafkaError as exc:
+            log.warning("committing the trainer's offsets failed (the checkpoint has them): %s", exc)
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -217,6 +233,15 @@ class TrainerStage:
         st.tokens_trained += acc.tokens
         st.samples_filtered += acc.samples_filtered
         st.offsets.update(acc.offsets)
+        self.stats.duplicates += acc.duplicates
+        if summary.outcome.skipped:
+            self.stats.skipped_steps += 1
+            tm.SKIPPED_STEPS.inc()
+            log.error(
+                "version %d: the gradient is not finite (grad_norm %s): step skipped, weights unchanged",
+                st.version,
+                summary.outcome.grad_norm,
+            )
         st.checksum, report = self._sync(st.version)
         final = st.version >= tcfg.max_steps
         uri = None
@@ -236,7 +261,7 @@ class TrainerStage:
         self._last_step_end = now
         self._publish(WeightVersionKind.FINAL if final else WeightVersionKind.UPDATE, report, metrics, uri)
         if uri is not None and st.offsets:
-            consumer.commit(dict(st.offsets))
+            self._commit(consumer)
         tm.observe_step(st.version, metrics, acc.lags)
         self.stats.steps += 1
         log.info(
@@ -244,7 +269,7 @@ class TrainerStage:
             st.version,
             acc.samples_trained,
             metrics.get("loss", 0.0),
-            metrics["grad_norm"],
+            metrics.get("grad_norm", float("nan")),
             metrics.get("version_lag_mean", 0.0),
             metrics["tokens_per_s"],
         )
@@ -277,7 +302,10 @@ class TrainerStage:
         UP.labels(STAGE).set(1)
         try:
             self._load()
-            self.history = by_version(read_weight_versions(self.transport, self.names, self.serde))
+            # Only the versions this process may re-train (those after its checkpoint) are kept: the
+            # lineage of a long run would otherwise stay in memory (and grow with every version).
+            lineage = by_version(read_weight_versions(self.transport, self.names, self.serde))
+            self.history = {v: wv for v, wv in lineage.items() if v >= self.state.version}
             self.producer = producer = self.transport.producer(f"{STAGE}-{self.config.run}")
             consumer = self.transport.consumer(self.names.group(STAGE), STAGE)
             if self.pusher is not None:
@@ -310,7 +338,7 @@ class TrainerStage:
 
     def _loop(self, consumer: Consumer, target: int, idle_timeout_s: float | None) -> None:
         bound = 0 if self.config.mode == "conventional" else self.config.actor.max_lag
-        runner = StepRunner(self.trainer, self.tcfg.pack_row_tokens, lag_bound=bound)
+        runner = StepRunner(self.trainer, self.tcfg.pack_row_tokens, self.trained, lag_bound=bound)
         buffer: deque[Message] = deque()
         last_input = time.monotonic()
         while True:
@@ -389,7 +417,12 @@ def main(args: argparse.Namespace) -> int:
         if deepspeed_backend.is_follower():
             deepspeed_backend.follow(config)
             return 0
-    transport = KafkaTransport(resolve_bootstrap(args.bootstrap, config.kafka.bootstrap))
+    transport = KafkaTransport(
+        resolve_bootstrap(args.bootstrap, config.kafka.bootstrap),
+        outage_s=config.kafka.outage_timeout_s,
+        compression=config.kafka.compression,
+    )
+    transport.check_reachable()
     port = args.metrics_port if args.metrics_port is not None else config.trainer.metrics_port
     if port is not None:
         log.info("metrics on http://127.0.0.1:%d/metrics", serve_metrics(port))

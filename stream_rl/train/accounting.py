@@ -5,6 +5,12 @@ accumulate) and counts it; `consumed` (samples trained + filtered) tells the cal
 step is full; `finish()` takes the optimizer step and returns the step's numbers. The trainer
 stage and `replay trainer` both cut steps with it, so a replay trains exactly what the run did.
 
+Duplicates (`stream_rl.train.dedupe`): a sample id trains at most once; `add()` drops what the
+trainer already trained before anything is counted. Non-finite numbers: a micro-batch whose loss
+is not finite is not back-propagated (`nonfinite_micro_batches`), and a step whose gradient norm
+is not finite is skipped (`skipped_step`: weights and optimizer untouched, the schedule advances);
+both are counted in the step's metrics, so they reach `WeightVersion.metrics` and the summary.
+
 Version lag of a sample: the version of the weights that score it (the trainer's current
 version) minus the oldest version that sampled any of its tokens (`version_lag_*`), and minus
 each token's version, averaged over tokens (`version_lag_token_mean`).
@@ -12,12 +18,14 @@ each token's version, averaged over tokens (`version_lag_token_mean`).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 from stream_rl.contracts import TrainingBatch, TrainingSample, token_versions
 from stream_rl.kafka.transport import TopicPartition
 from stream_rl.rl.stats import TokenStats
+from stream_rl.train.dedupe import TrainedIds
 from stream_rl.train.step import StepOutcome, TrainerBackend
 
 
@@ -41,6 +49,10 @@ class StepAccumulator:
     real_tokens: int = 0
     padded_tokens: int = 0
     compute_s: float = 0.0
+    duplicates: int = 0
+    """Samples dropped because their id was trained before (never trained, never consumed)."""
+    nonfinite_micro_batches: int = 0
+    """Trained groups of samples whose loss was not finite (not back-propagated)."""
     offsets: dict[TopicPartition, int] = field(default_factory=dict)
     """Next offsets to consume after this step's records (decoded or sent to the DLQ)."""
     started: float = field(default_factory=time.monotonic)
@@ -84,20 +96,32 @@ class StepRunner:
     deterministic, so a replay trains exactly the same rows."""
 
     def __init__(
-        self, trainer: TrainerBackend, flush_tokens: int = 512, lag_bound: int | None = None
+        self,
+        trainer: TrainerBackend,
+        flush_tokens: int = 512,
+        trained: TrainedIds | None = None,
+        lag_bound: int | None = None,
     ) -> None:
-        """`lag_bound`: the run's staleness bound (`actor.max_lag`, 0 in conventional mode);
-        samples trained beyond it are counted (`samples_over_lag_bound`)."""
+        """`trained`: the ids already trained (a sample id trains at most once); `lag_bound`: the
+        run's staleness bound (`actor.max_lag`, 0 in conventional mode): samples trained beyond it
+        are counted (`samples_over_lag_bound`)."""
         self.trainer = trainer
         self.flush_tokens = flush_tokens
+        self.trained = trained if trained is not None else TrainedIds()
         self.lag_bound = lag_bound
         self.acc = StepAccumulator()
         self._pending: list[TrainingSample] = []
         self._pending_tokens = 0
 
     def add(self, batch: TrainingBatch, version: int) -> list[int]:
-        """Account for the batch's samples (trained at weights `version`); returns their version lags."""
+        """Account for the batch's samples (trained at weights `version`); returns their version lags.
+        Samples trained before are dropped first (counted in `duplicates`)."""
         acc = self.acc
+        kept, dropped = self.trained.filter(batch)
+        acc.duplicates += dropped
+        if kept is None:
+            return []
+        batch = kept
         acc.samples_filtered += batch.num_filtered
         if not batch.samples:
             return []
@@ -128,12 +152,15 @@ class StepRunner:
         started = time.perf_counter()
         result = self.trainer.micro_batch(self._pending)
         acc.compute_s += time.perf_counter() - started
+        self._pending = []
+        self._pending_tokens = 0
+        if not result.finite:
+            acc.nonfinite_micro_batches += 1
+            return
         acc.loss_sum += result.loss
         acc.stats = acc.stats + result.stats
         acc.real_tokens += result.real_tokens
         acc.padded_tokens += result.padded_tokens
-        self._pending = []
-        self._pending_tokens = 0
 
     def note_offset(self, tp: TopicPartition, next_offset: int) -> None:
         self.acc.offsets[tp] = next_offset
@@ -145,6 +172,7 @@ class StepRunner:
         started = time.perf_counter()
         outcome = self.trainer.optimizer_step(acc.samples_trained)
         acc.compute_s += time.perf_counter() - started
+        self.trained.step_taken()
         if outcome.stats is not None:  # a backend that trains at step time (DeepSpeed)
             acc.stats = outcome.stats
             acc.loss_sum = outcome.loss_sum or 0.0
@@ -160,12 +188,19 @@ def step_metrics(acc: StepAccumulator, outcome: StepOutcome) -> dict[str, float]
         "samples_filtered": float(acc.samples_filtered),
         "micro_batches": float(acc.micro_batches),
         "tokens_trained": float(acc.tokens),
-        "grad_norm": outcome.grad_norm,
         "lr": outcome.lr,
         "compute_s": acc.compute_s,
         "tokens_per_s": acc.tokens / acc.compute_s if acc.compute_s > 0 else 0.0,
     }
-    if n:
+    if outcome.skipped:
+        out["skipped_step"] = 1.0  # the gradient was not finite: nothing applied
+    else:
+        out["grad_norm"] = outcome.grad_norm
+    if acc.duplicates:
+        out["duplicates"] = float(acc.duplicates)
+    if acc.nonfinite_micro_batches:
+        out["nonfinite_micro_batches"] = float(acc.nonfinite_micro_batches)
+    if n and math.isfinite(acc.loss_sum):
         out["loss"] = acc.loss_sum / n
         out["reward_mean"] = acc.reward_sum / n
     if acc.padded_tokens:

@@ -125,7 +125,10 @@ def replay_trainer(
     v0 = versions[0]
     report.rows.append(ReplayRow(0, 0, v0.checksum, trainer.checksum(), v0.samples_consumed, 0))
     reader = _Reader(transport, names.topic(TRAINING_BATCHES), poll_timeout_s)
-    runner = StepRunner(trainer, config.trainer.pack_row_tokens)
+    from stream_rl.train.dedupe import TrainedIds
+
+    # The run's trainer dropped duplicates with the same window, from offset 0: same decisions.
+    runner = StepRunner(trainer, config.trainer.pack_row_tokens, TrainedIds(config.trainer.dedupe_window))
     position = {tp: 0 for tp in reader.pending}
     consumed = 0
     try:

@@ -19,6 +19,7 @@ Contract:
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -90,6 +91,8 @@ class MicroResult:
     stats: TokenStats
     real_tokens: int
     padded_tokens: int
+    finite: bool = True
+    """False: the loss was not finite and nothing was back-propagated (loss and stats are 0)."""
 
 
 @dataclass
@@ -102,6 +105,8 @@ class StepOutcome:
     """Backends that train at step time (DeepSpeed) report the step's summed loss here..."""
     stats: TokenStats | None = None
     """...and its token statistics (the torch backend reports them per micro-batch instead)."""
+    skipped: bool = False
+    """The gradient norm was not finite: the step was not applied (gradients cleared)."""
 
 
 class TrainerBackend(Protocol):
@@ -233,6 +238,9 @@ class PolicyTrainer:
             with torch.no_grad():
                 ref_logits = completion_logits(self.ref_model, packed, self.device)
         out = micro_loss(self.cfg, self.temperature, logits, packed, ref_logits)
+        if not bool(torch.isfinite(out.loss.detach())):
+            # Nothing non-finite may reach the gradients: this micro-batch is dropped, counted.
+            return MicroResult(0.0, TokenStats(), packed.real_tokens, packed.padded_tokens, finite=False)
         out.loss.backward()
         return MicroResult(
             loss=float(out.loss.detach().item()),
@@ -252,10 +260,12 @@ class PolicyTrainer:
         if grads:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, self.cfg.grad_clip).item())
         lr = float(self.scheduler.get_last_lr()[0])
-        self.optimizer.step()
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:  # a non-finite gradient is never applied: weights and AdamW state stay
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepOutcome(grad_norm=grad_norm, lr=lr)
+        return StepOutcome(grad_norm=grad_norm, lr=lr, skipped=skipped)
 
     @property
     def vocab_size(self) -> int:
