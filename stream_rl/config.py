@@ -249,6 +249,44 @@ class TrainerConfig(Model):
     """Serve Prometheus `/metrics` on this port (0 = any free port; None = off)."""
 
 
+class EvalConfig(Model):
+    every: int = Field(0, ge=0)
+    """Evaluate on the task's held-out split every N versions (versions 0, N, 2N, ... and the final
+    one) with the evaluator stage; 0 = no evaluation."""
+    max_problems: int | None = Field(None, ge=1)
+    """Evaluate the first N problems of the held-out split (None: all of it)."""
+    greedy: bool = True
+    """Greedy decoding (temperature 0): pass@1."""
+    samples: int = Field(0, ge=0)
+    """k samples per problem at `temperature`: sampled pass@1 and pass@k (0 = none)."""
+    temperature: float = Field(1.0, gt=0)
+    """Temperature of the k samples."""
+    max_tokens: int | None = Field(None, ge=1)
+    """Completion tokens per model call (None: `actor.sampling.max_tokens`)."""
+    concurrency: int = Field(32, ge=1)
+    """Requests in flight at once (per evaluation, across the servers)."""
+    timeout_s: float = Field(120.0, gt=0)
+    """How long the launcher waits for the evaluation of the initial version before it starts the
+    actors, and for the final version's before it stops the run."""
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalConfig:
+        if self.every and not self.greedy and not self.samples:
+            raise ValueError("eval: set greedy: true or samples > 0 (nothing to evaluate)")
+        return self
+
+    def sampling(self, base: SamplingConfig, greedy: bool) -> SamplingConfig:
+        """The sampling of eval requests: greedy, or at `temperature`; the rest from `base`."""
+        return base.model_copy(
+            update={
+                "temperature": 0.0 if greedy else self.temperature,
+                "top_p": 1.0,
+                "top_k": 0,
+                "max_tokens": self.max_tokens or base.max_tokens,
+            }
+        )
+
+
 class LauncherConfig(Model):
     restart: bool = False
     """Restart a stage that dies instead of stopping the run."""
@@ -292,6 +330,7 @@ class RunConfig(Model):
     verifier: VerifierConfig = Field(default_factory=VerifierConfig)
     preprocessor: PreprocessorConfig = Field(default_factory=PreprocessorConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     launcher: LauncherConfig = Field(default_factory=LauncherConfig)
 
     @model_validator(mode="after")

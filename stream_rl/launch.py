@@ -28,6 +28,7 @@ from typing import Any
 from stream_rl.config import ADMIN_TOKEN_ENV, RunConfig, dump_config, load_config
 from stream_rl.contracts import WeightVersionKind
 from stream_rl.errors import StreamRLError
+from stream_rl.identity import Identity, RunState, decide
 from stream_rl.kafka.broker import LocalBroker, free_port
 from stream_rl.kafka.stage import StopFlag
 
@@ -90,6 +91,29 @@ class Launcher:
             self.broker = broker  # ours to stop at the end
         return bootstrap
 
+    def check_identity(self) -> Identity:
+        """New, resume, or refuse (`stream_rl/identity.py`), before anything starts."""
+        import shutil
+
+        from stream_rl.kafka.client import KafkaTransport
+        from stream_rl.kafka.topics import WEIGHT_VERSIONS, TopicNames
+        from stream_rl.train.lineage import read_weight_versions
+
+        kafka = KafkaTransport(self.bootstrap)
+        names = TopicNames(run=self.config.run, prefix=self.config.kafka.prefix)
+        lineage = (
+            read_weight_versions(kafka, names)
+            if names[WEIGHT_VERSIONS] in set(kafka.list_topic_names())
+            else []
+        )
+        identity = decide(self.config, lineage, self.bootstrap)
+        if identity.state == RunState.NEVER_TRAINED:
+            # The trainer's record describes the config of its first start: that start trained nothing.
+            shutil.rmtree(self.run_dir / "trainer" / "record", ignore_errors=True)
+        if identity.message:
+            print(identity.message, file=sys.stderr)
+        return identity
+
     def apply_topics(self) -> None:
         from stream_rl.kafka.client import KafkaTransport
         from stream_rl.kafka.topics import TopicNames, apply_topics, publish_schemas
@@ -138,6 +162,7 @@ class Launcher:
         stage_counts = [
             ("trainer", 1),
             ("loader", 1),
+            ("evaluator", 1 if cfg.eval.every else 0),
             ("preprocessor", cfg.launcher.preprocessors),
             ("verifier", cfg.launcher.verifiers),
             ("actor", cfg.launcher.actors),
@@ -150,7 +175,7 @@ class Launcher:
                 config_path = child_dir / "config.yaml"
                 config_path.write_text(dump_config(cfg))
                 cmd = [*py, role, "--config", str(config_path), "--bootstrap", self.bootstrap]
-                if role != "loader":
+                if role not in ("loader",):
                     cmd += ["--instance", str(i)]
                 self._add(name, role, cmd, metrics=role != "loader", restartable=role != "loader")
 
@@ -178,6 +203,7 @@ class Launcher:
                     "metrics_ports": ports,
                     "servers": servers,
                     "launcher_port": launcher_port,
+                    "launcher_pid": os.getpid(),
                     "pids": pids,
                 },
                 indent=2,
@@ -264,8 +290,8 @@ class Launcher:
             if child.proc is None or child.proc.poll() is None:
                 continue
             code = child.proc.returncode
-            if child.role == "loader" and code == 0:
-                continue  # the loader's job is done
+            if child.role in ("loader", "evaluator") and code == 0:
+                continue  # its job is done (the evaluator's: the final version is evaluated)
             if child.role == "trainer" and code == 0:
                 self.exit_reason = "trainer finished"
                 return False
@@ -291,7 +317,7 @@ class Launcher:
         """SIGTERM in waves, each drained before the next: producers first (so downstream
         stages see their last records), the trainer after the stages, the servers last (an
         actor finishing its in-flight requests still needs them)."""
-        waves = [("loader", "actor"), ("verifier", "preprocessor"), ("trainer",), ("server",)]
+        waves = [("loader", "actor", "evaluator"), ("verifier", "preprocessor"), ("trainer",), ("server",)]
         for roles in waves:
             live = [c for c in self.children if c.role in roles and c.proc and c.proc.poll() is None]
             for child in live:
@@ -309,6 +335,30 @@ class Launcher:
                     )
                     child.proc.kill()
                     child.proc.wait()
+
+    def wait_for_eval(self, monitor: Any, version: int, what: str, supervise: bool = True) -> None:
+        """With an evaluator: wait (up to `eval.timeout_s`) for its result of `version`. Before the
+        actors start nothing else generates, so version 0's evaluation is exact; after the final
+        version no push can move the servers (`stream_rl/stages/evaluator.py`)."""
+        evaluator = next((c for c in self.children if c.role == "evaluator"), None)
+        if evaluator is None:
+            return
+        deadline = time.monotonic() + self.config.eval.timeout_s
+        while not self.stop and not monitor.has_eval(version):
+            monitor.tick()
+            proc = evaluator.proc
+            if proc is not None and proc.poll() is not None and proc.returncode != 0:
+                return  # check_children reports it
+            if supervise and not self.check_children():
+                return
+            if time.monotonic() > deadline:
+                print(
+                    f"\nwarning: no evaluation of {what} (version {version}) within "
+                    f"eval.timeout_s={self.config.eval.timeout_s:.0f}s; going on (see {evaluator.log})",
+                    file=sys.stderr,
+                )
+                return
+            time.sleep(0.2)
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -335,20 +385,26 @@ class Launcher:
 
         started = time.monotonic()
         self.bootstrap = self.start_broker()
+        identity = self.check_identity()
         self.apply_topics()
         self.plan()
         self.check_server_ports()
-        monitor = RunMonitor(self.config, self.bootstrap)
+        monitor = RunMonitor(self.config, self.bootstrap, since_version=identity.last_version)
         try:
             for child in self.children:
                 if child.role == "server":
                     self.spawn(child)
             self.wait_for_servers()
+            monitor.start()
             for child in self.children:
-                if child.role != "server":
+                if child.role not in ("server", "actor"):
+                    self.spawn(child)
+            if identity.last_version is None:
+                self.wait_for_eval(monitor, 0, "the initial weights")
+            for child in self.children:
+                if child.role == "actor" and self.failed is None:
                     self.spawn(child)
             self.write_ports(serve_metrics(0))
-            monitor.start()
             max_wall = self.config.launcher.max_wall_s
             while not self.stop:
                 if not self.check_children():
@@ -357,6 +413,7 @@ class Launcher:
                 latest = monitor.latest
                 if latest is not None and latest.kind == WeightVersionKind.FINAL:
                     self.exit_reason = f"reached max_steps ({latest.step})"
+                    self.wait_for_eval(monitor, latest.version, "the final version", supervise=False)
                     break
                 if max_wall is not None and time.monotonic() - started > max_wall:
                     self.exit_reason = f"max_wall_s ({max_wall:.0f}s) reached"
@@ -379,13 +436,31 @@ class Launcher:
         return 0
 
 
-def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
-    r = summary.get("reward", {})
-    print(
-        f"\nrun finished ({summary.get('exit_reason')}) in {summary.get('wall_s', 0):.0f}s: "
-        f"versions {summary.get('versions', {}).get('last', '-')}, "
-        f"reward {r.get('first3_mean', float('nan')):.3f} -> {r.get('last3_mean', float('nan')):.3f}"
+def _fmt(value: Any, spec: str = ".3f") -> str:
+    return "-" if not isinstance(value, int | float) else format(value, spec)
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    """One line for what this invocation trained (never the figures of an earlier invocation)."""
+    v = summary.get("versions") or {}
+    r = summary.get("reward") or {}
+    head = f"run {summary.get('run')} stopped ({summary.get('exit_reason')}) after {_fmt(summary.get('wall_s'), '.0f')}s"
+    if summary.get("resumed_from") is not None:
+        head += f", resumed at version {summary['resumed_from']}"
+    if not v.get("count"):
+        return head + ": no version trained by this invocation"
+    line = (
+        f"{head}: trained versions {v.get('first')}-{v.get('last')}, reward "
+        f"{_fmt(r.get('first3_mean'))} -> {_fmt(r.get('last3_mean'))}"
     )
+    ev = (summary.get("eval") or {}).get("last")
+    if ev:
+        line += f", eval pass@1 {_fmt((summary['eval'].get('first') or {}).get('pass_at_1'))} -> {_fmt(ev.get('pass_at_1'))} (version {ev.get('version')})"
+    return line
+
+
+def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
+    print("\n" + summary_line(summary))
     print(f"summary: {run_dir / 'summary.json'}; plots: {run_dir / 'plots'}")
 
 
