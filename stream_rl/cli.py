@@ -30,6 +30,9 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("runs", "stream_rl.runs", "list the runs in runs/: state, versions, reward, eval, where"),
     ("status", "stream_rl.status", "live table of a run: processes, servers, lag, trainer version"),
     ("trainer", "stream_rl.stages.trainer", "train on training-batches, broadcast weights, publish versions"),
+    ("export", "stream_rl.export", "a run's weights (HF directory, checksum checked) or rollouts (Parquet)"),
+    ("track", "stream_rl.track", "log a run's metrics, evals and config to W&B, MLflow or TensorBoard"),
+    ("rescore", "stream_rl.rescore", "re-score a run's rollouts with the current verifier into a new run"),
     (
         "replay",
         "stream_rl.replay",

@@ -265,9 +265,15 @@ class EvalConfig(Model):
     """Completion tokens per model call (None: `actor.sampling.max_tokens`)."""
     concurrency: int = Field(32, ge=1)
     """Requests in flight at once (per evaluation, across the servers)."""
+    pin: bool = True
+    """Pin evaluated versions: the trainer holds the push of the version after a due one until that
+    one's evaluation is published (at most `timeout_s`), so every evaluation samples exactly its
+    version (off-version tokens 0), at the cost of a pause per evaluation (generation goes on with
+    the evaluated weights meanwhile). False: training never waits; the evaluator measures the
+    fraction of tokens sampled by later versions."""
     timeout_s: float = Field(120.0, gt=0)
-    """How long the launcher waits for the evaluation of the initial version before it starts the
-    actors, and for the final version's before it stops the run."""
+    """Longest wait for one evaluation: the trainer's hold (`pin`), and the launcher's wait for the
+    final version's evaluation before it stops the run."""
 
     @model_validator(mode="after")
     def _check(self) -> EvalConfig:
@@ -285,6 +291,24 @@ class EvalConfig(Model):
                 "max_tokens": self.max_tokens or base.max_tokens,
             }
         )
+
+
+class TrackConfig(Model):
+    to: list[Literal["wandb", "mlflow", "tensorboard"]] = Field(default_factory=list)
+    """Experiment trackers the launcher feeds while the run goes (a `stream-rl track --follow`
+    child); `stream-rl track --run R --to ...` backfills a finished run the same way."""
+    mlflow_uri: str | None = None
+    """MLflow tracking URI (None: $MLFLOW_TRACKING_URI, else MLflow's default `./mlruns`)."""
+    mlflow_experiment: str = "stream-rl"
+    """MLflow experiment the run is logged in."""
+    wandb_project: str = "stream-rl"
+    """W&B project."""
+    wandb_mode: Literal["online", "offline"] = "offline"
+    """W&B mode: `offline` writes the run under `wandb_dir` (`wandb sync` uploads it later)."""
+    wandb_dir: str | None = None
+    """Where W&B writes (None: `runs/<run>/`)."""
+    tensorboard_dir: str | None = None
+    """TensorBoard event files (None: `runs/<run>/tensorboard/`)."""
 
 
 class LauncherConfig(Model):
@@ -331,6 +355,7 @@ class RunConfig(Model):
     preprocessor: PreprocessorConfig = Field(default_factory=PreprocessorConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    track: TrackConfig = Field(default_factory=TrackConfig)
     launcher: LauncherConfig = Field(default_factory=LauncherConfig)
 
     @model_validator(mode="after")

@@ -179,6 +179,20 @@ class Launcher:
                     cmd += ["--instance", str(i)]
                 self._add(name, role, cmd, metrics=role != "loader", restartable=role != "loader")
 
+        if cfg.track.to:
+            cmd = [
+                *py,
+                "track",
+                "--run",
+                cfg.run,
+                "--runs-dir",
+                cfg.runs_dir,
+                "--follow",
+                "--bootstrap",
+                self.bootstrap,
+            ]
+            self._add("tracker", "track", cmd, metrics=False, restartable=False)
+
     def _add(
         self, name: str, role: str, cmd: list[str], metrics: bool = True, restartable: bool = True
     ) -> None:
@@ -290,7 +304,7 @@ class Launcher:
             if child.proc is None or child.proc.poll() is None:
                 continue
             code = child.proc.returncode
-            if child.role in ("loader", "evaluator") and code == 0:
+            if child.role in ("loader", "evaluator", "track") and code == 0:
                 continue  # its job is done (the evaluator's: the final version is evaluated)
             if child.role == "trainer" and code == 0:
                 self.exit_reason = "trainer finished"
@@ -317,7 +331,12 @@ class Launcher:
         """SIGTERM in waves, each drained before the next: producers first (so downstream
         stages see their last records), the trainer after the stages, the servers last (an
         actor finishing its in-flight requests still needs them)."""
-        waves = [("loader", "actor", "evaluator"), ("verifier", "preprocessor"), ("trainer",), ("server",)]
+        waves = [
+            ("loader", "actor", "evaluator"),
+            ("verifier", "preprocessor"),
+            ("trainer", "track"),
+            ("server",),
+        ]
         for roles in waves:
             live = [c for c in self.children if c.role in roles and c.proc and c.proc.poll() is None]
             for child in live:
@@ -336,10 +355,9 @@ class Launcher:
                     child.proc.kill()
                     child.proc.wait()
 
-    def wait_for_eval(self, monitor: Any, version: int, what: str, supervise: bool = True) -> None:
-        """With an evaluator: wait (up to `eval.timeout_s`) for its result of `version`. Before the
-        actors start nothing else generates, so version 0's evaluation is exact; after the final
-        version no push can move the servers (`stream_rl/stages/evaluator.py`)."""
+    def wait_for_eval(self, monitor: Any, version: int, what: str) -> None:
+        """With an evaluator: wait (up to `eval.timeout_s`) for its result of `version` (the final
+        version's: the servers stay up until it is evaluated)."""
         evaluator = next((c for c in self.children if c.role == "evaluator"), None)
         if evaluator is None:
             return
@@ -349,8 +367,6 @@ class Launcher:
             proc = evaluator.proc
             if proc is not None and proc.poll() is not None and proc.returncode != 0:
                 return  # check_children reports it
-            if supervise and not self.check_children():
-                return
             if time.monotonic() > deadline:
                 print(
                     f"\nwarning: no evaluation of {what} (version {version}) within "
@@ -395,16 +411,11 @@ class Launcher:
                 if child.role == "server":
                     self.spawn(child)
             self.wait_for_servers()
-            monitor.start()
             for child in self.children:
-                if child.role not in ("server", "actor"):
-                    self.spawn(child)
-            if identity.last_version is None:
-                self.wait_for_eval(monitor, 0, "the initial weights")
-            for child in self.children:
-                if child.role == "actor" and self.failed is None:
+                if child.role != "server":
                     self.spawn(child)
             self.write_ports(serve_metrics(0))
+            monitor.start()
             max_wall = self.config.launcher.max_wall_s
             while not self.stop:
                 if not self.check_children():
@@ -413,7 +424,7 @@ class Launcher:
                 latest = monitor.latest
                 if latest is not None and latest.kind == WeightVersionKind.FINAL:
                     self.exit_reason = f"reached max_steps ({latest.step})"
-                    self.wait_for_eval(monitor, latest.version, "the final version", supervise=False)
+                    self.wait_for_eval(monitor, latest.version, "the final version")
                     break
                 if max_wall is not None and time.monotonic() - started > max_wall:
                     self.exit_reason = f"max_wall_s ({max_wall:.0f}s) reached"

@@ -39,11 +39,12 @@ from collections import deque
 from dataclasses import dataclass
 
 from stream_rl.config import RunConfig, load_config
-from stream_rl.contracts import PartitionOffset, TrainingBatch, WeightVersion, WeightVersionKind
+from stream_rl.contracts import EvalResult, PartitionOffset, TrainingBatch, WeightVersion, WeightVersionKind
 from stream_rl.errors import ConfigError, ContractError, WeightSyncError
+from stream_rl.kafka.follower import RecordFollower
 from stream_rl.kafka.serde import Serde, default_serde
 from stream_rl.kafka.stage import StopFlag, dlq_headers
-from stream_rl.kafka.topics import TRAINING_BATCHES, WEIGHT_VERSIONS, TopicNames
+from stream_rl.kafka.topics import EVAL_RESULTS, TRAINING_BATCHES, WEIGHT_VERSIONS, TopicNames
 from stream_rl.kafka.transport import Consumer, Message, Producer, Transport
 from stream_rl.metrics import DLQ, RECORDS_IN, UP, serve_metrics
 from stream_rl.train import metrics as tm
@@ -113,6 +114,12 @@ class TrainerStage:
         self._last_connect = 0.0
         self._checkpointed_step = -1
         self._last_step_end = time.monotonic()
+        self._published_here: set[int] = set()
+        self._evals: RecordFollower[EvalResult] | None = None
+        if config.eval.every and config.eval.pin:
+            self._evals = RecordFollower(
+                transport, self.names.topic(EVAL_RESULTS), EvalResult, f"{STAGE}-evals", self.serde
+            )
         self.trainer: TrainerBackend  # set by _load()
         self.producer: Producer  # set by run()
 
@@ -197,6 +204,7 @@ class TrainerStage:
             wv.metrics["checksum_mismatch"] = 1.0
         self.producer.produce(self.out_topic, self.serde.encode(wv), key=self.config.run)
         self.producer.flush()
+        self._published_here.add(st.version)
         self.history.setdefault(st.version, wv)
         self.stats.published += 1
 
@@ -212,6 +220,28 @@ class TrainerStage:
 
     # -- one step ----------------------------------------------------------------------------
 
+    def _hold_for_eval(self, version: int) -> None:
+        """`eval.pin`: before pushing `version`, wait until the evaluation of the version before it
+        is published when that one is due and was published by this process (so the evaluator
+        samples exactly it; `stream_rl/stages/evaluator.py`), at most `eval.timeout_s`."""
+        from stream_rl.stages.evaluation import is_due
+
+        previous = version - 1
+        ecfg = self.config.eval
+        if self._evals is None or previous not in self._published_here:
+            return
+        if not is_due(previous, ecfg.every, final=False):
+            return
+        started = time.monotonic()
+        while not any(ev.version == previous for ev in self._evals.records):
+            if self.stop or time.monotonic() - started > ecfg.timeout_s:
+                log.warning(
+                    "no evaluation of version %d within %.0fs: pushing %d", previous, ecfg.timeout_s, version
+                )
+                return
+            time.sleep(0.05)
+        tm.EVAL_HOLD_SECONDS.inc(time.monotonic() - started)
+
     def _finish_step(self, runner: StepRunner, consumer: Consumer) -> None:
         summary = runner.finish()
         acc, st, tcfg = summary.acc, self.state, self.tcfg
@@ -221,6 +251,7 @@ class TrainerStage:
         st.tokens_trained += acc.tokens
         st.samples_filtered += acc.samples_filtered
         st.offsets.update(acc.offsets)
+        self._hold_for_eval(st.version)
         st.checksum, report = self._sync(st.version)
         final = st.version >= tcfg.max_steps
         uri = None
@@ -281,6 +312,8 @@ class TrainerStage:
         UP.labels(STAGE).set(1)
         try:
             self._load()
+            if self._evals is not None:
+                self._evals.start()
             self.history = by_version(read_weight_versions(self.transport, self.names, self.serde))
             self.producer = producer = self.transport.producer(f"{STAGE}-{self.config.run}")
             consumer = self.transport.consumer(self.names.group(STAGE), STAGE)
@@ -308,6 +341,8 @@ class TrainerStage:
                 for closer in (trainer, consumer, producer, self.pusher):
                     if closer is not None:
                         closer.close()  # DeepSpeed: releases the other ranks
+                if self._evals is not None:
+                    self._evals.stop()
         self.stats.version = self.state.version
         self.stats.checksum = self.state.checksum
         return self.stats

@@ -26,6 +26,9 @@ CHECKSUM_MISMATCH = Counter(
     "stream_rl_trainer_checksum_mismatch", "Re-trained versions whose checksum differs from the lineage"
 )
 CHECKPOINTS = Counter("stream_rl_trainer_checkpoints", "Checkpoints written")
+EVAL_HOLD_SECONDS = Counter(
+    "stream_rl_trainer_eval_hold_seconds", "Seconds pushes were held for evaluations (eval.pin)"
+)
 
 
 def observe_step(version: int, metrics: Mapping[str, float], lags: Iterable[int]) -> None:
