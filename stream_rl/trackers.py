@@ -50,8 +50,8 @@ class WandbSink:
             project=project,
             name=run,
             dir=str(directory),
-            mode=mode,
-            reinit="create_new",  # type: ignore[arg-type]
+            mode="offline" if mode == "offline" else "online",
+            reinit="create_new",
         )
         self._run.define_metric("version")
         self._run.define_metric("*", step_metric="version")
