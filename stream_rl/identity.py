@@ -95,7 +95,8 @@ def config_differences(recorded: dict[str, Any], current: dict[str, Any]) -> lis
     """`key: recorded -> current` for every non-operational key whose value differs."""
     a, b = _flatten(recorded), _flatten(current)
     out = []
-    for key in sorted(set(a) | set(b)):
+    # A key the record lacks had its default then (the record predates it): not a difference.
+    for key in sorted(a):
         if _operational(key):
             continue
         if a.get(key) != b.get(key):
@@ -132,7 +133,9 @@ def decide(config: RunConfig, lineage: list[WeightVersion], bootstrap: str) -> I
     line when it must not start."""
     run, run_dir = config.run, config.run_dir
     has_dir = (run_dir / "config.yaml").is_file()
-    start_again = f"start another with --set run=<new name> (e.g. --set run={run}-2)"
+    start_again = (
+        f"start another with --set run=<new name> (e.g. --set run={run}-2; for the demo: make demo RUN={run}-2)"
+    )
     if not lineage:
         dir_last = _dir_versions(run_dir) if has_dir else None
         if dir_last is not None:
