@@ -133,9 +133,7 @@ def decide(config: RunConfig, lineage: list[WeightVersion], bootstrap: str) -> I
     line when it must not start."""
     run, run_dir = config.run, config.run_dir
     has_dir = (run_dir / "config.yaml").is_file()
-    start_again = (
-        f"start another with --set run=<new name> (e.g. --set run={run}-2; for the demo: make demo RUN={run}-2)"
-    )
+    start_again = f"start another with --set run=<new name> (e.g. --set run={run}-2; for the demo: make demo RUN={run}-2)"
     if not lineage:
         dir_last = _dir_versions(run_dir) if has_dir else None
         if dir_last is not None:

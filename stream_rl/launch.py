@@ -455,7 +455,8 @@ def summary_line(summary: dict[str, Any]) -> str:
     """One line for what this invocation trained (never the figures of an earlier invocation)."""
     v = summary.get("versions") or {}
     r = summary.get("reward") or {}
-    head = f"run {summary.get('run')} stopped ({summary.get('exit_reason')}) after {_fmt(summary.get('wall_s'), '.0f')}s"
+    how = "finished" if str(summary.get("exit_reason", "")).startswith("reached max_steps") else "stopped"
+    head = f"run {summary.get('run')} {how} ({summary.get('exit_reason')}) after {_fmt(summary.get('wall_s'), '.0f')}s"
     if summary.get("resumed_from") is not None:
         head += f", resumed at version {summary['resumed_from']}"
     if not v.get("count"):

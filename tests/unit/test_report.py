@@ -172,3 +172,22 @@ def test_windowed_rates_never_divide_by_less_than_the_floor() -> None:
     assert ts == [5.0]
     assert rates == [pytest.approx((1e9 + 4) / 5.0)]
     assert windowed_rates([(0.0, 1.0), (0.0, 5.0)]) == ([], [])
+
+
+def test_summary_line_describes_this_invocation_only_and_never_crashes_on_missing_figures() -> None:
+    from stream_rl.launch import summary_line
+
+    tl = [{"t": 0.0, "kind": "start", "resumed_from": 40}]
+    tl += [
+        {"t": float(v), "kind": "version", "version": v, "step": v, "samples_trained": v, "tokens_trained": v,
+         "broadcast_ms": 1.0, "servers_failed": 0, "reward_mean": 0.5}
+        for v in range(41, 101)
+    ]  # fmt: skip
+    s = summarize(tl, load_config(None), wall_s=60.0, exit_reason="reached max_steps (100)", failed=None)
+    line = summary_line(s)
+    assert "resumed at version 40: trained versions 41-100" in line and "reward 0.500 -> 0.500" in line
+    empty = summarize(
+        [{"t": 0.0, "kind": "start"}], load_config(None), wall_s=1.0, exit_reason="stopped", failed=None
+    )
+    assert summary_line(empty).endswith("no version trained by this invocation")
+    assert "after -s" in summary_line({"run": "r", "exit_reason": "x", "wall_s": None})
