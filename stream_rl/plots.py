@@ -36,6 +36,7 @@ class Panel:
     lines: list[Line] = field(default_factory=list)
     yscale: str = "linear"
     ylim: tuple[float, float] | None = None
+    legend_loc: str = "best"
 
 
 def windowed_rates(
@@ -94,7 +95,8 @@ def panels(timeline: list[dict[str, Any]]) -> dict[str, Panel]:
         reward.lines = [Line("per version", ts, rs, ".", 0.4), Line(f"moving mean ({k})", ts, ma)]
     out["reward"] = reward
 
-    ev = Panel("held-out evaluation", "version", "pass rate", ylim=(-0.02, 1.02))
+    # Pass rates sit high: the legend goes to the bottom, where the curves seldom are.
+    ev = Panel("held-out evaluation", "version", "pass rate", ylim=(-0.02, 1.02), legend_loc="lower right")
     evals = evals_of(timeline)
     for split in sorted({e.get("split", "") for e in evals}):
         rows = [e for e in evals if e.get("split", "") == split]
@@ -151,7 +153,7 @@ def _draw(ax: Any, panel: Panel) -> None:
     for line in panel.lines:
         ax.plot(line.xs, line.ys, line.style, label=line.label, alpha=line.alpha)
     if panel.lines:
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="small", loc=panel.legend_loc, framealpha=0.7)
     else:
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
     if panel.yscale == "symlog":
