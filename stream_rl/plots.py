@@ -37,6 +37,8 @@ class Panel:
     yscale: str = "linear"
     ylim: tuple[float, float] | None = None
     legend_loc: str = "best"
+    legend_cols: int = 1
+    yticks: list[float] | None = None
 
 
 def windowed_rates(
@@ -95,8 +97,11 @@ def panels(timeline: list[dict[str, Any]]) -> dict[str, Panel]:
         reward.lines = [Line("per version", ts, rs, ".", 0.4), Line(f"moving mean ({k})", ts, ma)]
     out["reward"] = reward
 
-    # Pass rates sit high: the legend goes to the bottom, where the curves seldom are.
-    ev = Panel("held-out evaluation", "version", "pass rate", ylim=(-0.02, 1.02), legend_loc="lower right")
+    # Pass rates fill [0, 1]: the legend gets its own band above 1.
+    ev = Panel(
+        "held-out evaluation", "version", "pass rate", ylim=(-0.02, 1.38), legend_loc="upper center",
+        legend_cols=2, yticks=[0.0, 0.2, 0.4, 0.6, 0.8, 1.0],
+    )  # fmt: skip
     evals = evals_of(timeline)
     for split in sorted({e.get("split", "") for e in evals}):
         rows = [e for e in evals if e.get("split", "") == split]
@@ -153,13 +158,15 @@ def _draw(ax: Any, panel: Panel) -> None:
     for line in panel.lines:
         ax.plot(line.xs, line.ys, line.style, label=line.label, alpha=line.alpha)
     if panel.lines:
-        ax.legend(fontsize="small", loc=panel.legend_loc, framealpha=0.7)
+        ax.legend(fontsize="small", loc=panel.legend_loc, ncol=panel.legend_cols, framealpha=0.7)
     else:
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
     if panel.yscale == "symlog":
         ax.set_yscale("symlog", linthresh=10)
     if panel.ylim is not None:
         ax.set_ylim(*panel.ylim)
+    if panel.yticks is not None:
+        ax.set_yticks(panel.yticks)
     ax.set(title=panel.title, xlabel=panel.xlabel, ylabel=panel.ylabel)
 
 

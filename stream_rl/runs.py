@@ -2,7 +2,8 @@
 
 State, from the run directory alone (no broker needed): `running` (its launcher is alive),
 `finished` (the last invocation reached `trainer.max_steps`), `stopped (<why>)`, `failed
-(<child>)`, or `never finished` (launched, no summary yet: killed, or still starting). Versions
+(<child>)`, `never finished` (launched, no summary yet: killed, or still starting), or `not
+started` (a directory `replay preprocessor` or `rescore` wrote). Versions
 are the last one trained and `trainer.max_steps`; reward and eval are the last invocation's
 (`summary.json`); `where` is the run directory.
 """
@@ -40,6 +41,8 @@ def describe(run_dir: Path) -> dict[str, str]:
     )
     if isinstance(launcher, int) and pid_alive(launcher) and started_after_summary:
         state = "running"
+    elif not summary and not procs:
+        state = "not started"  # e.g. written by `replay preprocessor` or `rescore`
     elif not summary or started_after_summary:
         state = "never finished"
     elif summary.get("failed"):
