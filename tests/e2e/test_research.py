@@ -341,7 +341,7 @@ def test_tensorboard_sink_followed_the_run_live(research: Run, kafka: KafkaTrans
     for name, want in expected_metrics(kafka, research).items():
         got = {e.step: e.value for e in acc.Scalars(name)}
         assert got == pytest.approx(want, rel=1e-6), name  # event files hold float32
-    assert "config" in acc.Tags()["tensors"]
+    assert "config/text_summary" in acc.Tags()["tensors"]  # the resolved config, as text
 
 
 def wandb_records(path: Path) -> Iterator[Any]:
