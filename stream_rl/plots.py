@@ -161,6 +161,10 @@ def _draw(ax: Any, panel: Panel) -> None:
         ax.legend(fontsize="small", loc=panel.legend_loc, ncol=panel.legend_cols, framealpha=0.7)
     else:
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
+    if panel.xlabel == "version":  # versions are integers: no 1.5 ticks
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if panel.yscale == "symlog":
         ax.set_yscale("symlog", linthresh=10)
     if panel.ylim is not None:
