@@ -1,19 +1,15 @@
 """What a researcher looks at, on ONE short real run (`make demo` with a test config, shared by the
 module): run identity (a second `make demo` refuses, a mismatched broker is one line), the
 evaluator's eval-results against an independent transformers evaluation of the exported weights,
-exports (model, rollouts), rescore, and each tracker sink with its real library (MLflow's real
-server), read back."""
+exports (model, rollouts), rescore, and the TensorBoard sink the launcher ran beside the stages
+(`track.to`), read back. The W&B and MLflow sinks are in tests/integration/test_trackers.py."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import struct
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -342,108 +338,6 @@ def test_tensorboard_sink_followed_the_run_live(research: Run, kafka: KafkaTrans
         got = {e.step: e.value for e in acc.Scalars(name)}
         assert got == pytest.approx(want, rel=1e-6), name  # event files hold float32
     assert "config/text_summary" in acc.Tags()["tensors"]  # the resolved config, as text
-
-
-def wandb_records(path: Path) -> Iterator[Any]:
-    """The protobuf records of a W&B `.wandb` transaction log (LevelDB log format: 32 KiB blocks,
-    7-byte record headers crc32/length/type, after a 7-byte `:W&B` file header)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = path.read_bytes()
-    assert data[:4] == b":W&B"
-    pos, block, pending = 7, 32768, b""
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:
-            pos += left
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        chunk = data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind == 0 and length == 0:
-            continue
-        pending = chunk if kind in (1, 2) else pending + chunk
-        if kind in (1, 4):
-            yield pb.Record.FromString(pending)
-            pending = b""
-
-
-def test_wandb_sink_backfills_the_run_offline(research: Run, kafka: KafkaTransport, tmp_path: Path) -> None:
-    res = cli("track", "--run", research.name, "--runs-dir", str(research.runs_dir), "--to", "wandb",
-              "--wandb-dir", str(tmp_path), "--bootstrap", research.bootstrap)  # fmt: skip
-    assert res.returncode == 0, res.stdout + res.stderr
-    (log,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
-    rows: dict[int, dict[str, float]] = {}
-    config: dict[str, Any] = {}
-    for record in wandb_records(log):
-        if record.HasField("history"):
-            row = {
-                (item.key or "/".join(item.nested_key)): json.loads(item.value_json)
-                for item in record.history.item
-            }
-            rows.setdefault(int(row["version"]), {}).update(row)
-        elif record.HasField("config"):
-            config.update({item.key: json.loads(item.value_json) for item in record.config.update})
-    for name, want in expected_metrics(kafka, research).items():
-        assert {v: r[name] for v, r in rows.items() if name in r} == pytest.approx(want), name
-    assert config["trainer.max_steps"] == MAX_STEPS and config["eval.every"] == 2
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    import httpx
-
-    tmp = tmp_path_factory.mktemp("mlflow")
-    port = free_port()
-    with open(tmp / "server.log", "wb") as log:  # the server keeps its own copy of the descriptor
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp}/mlflow.db",
-             "--default-artifact-root", str(tmp / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-             "--workers", "1"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, (tmp / "server.log").read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "MLflow server not up in 180 s"
-            time.sleep(0.5)
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def test_mlflow_sink_backfills_the_run_into_a_real_server(
-    research: Run, kafka: KafkaTransport, mlflow_server: str
-) -> None:
-    import httpx
-
-    res = cli("track", "--run", research.name, "--runs-dir", str(research.runs_dir), "--to", "mlflow",
-              "--mlflow-uri", mlflow_server, "--experiment", "e2e", "--bootstrap", research.bootstrap)  # fmt: skip
-    assert res.returncode == 0, res.stdout + res.stderr
-    api = f"{mlflow_server}/api/2.0/mlflow"
-    exp = httpx.get(f"{api}/experiments/get-by-name", params={"experiment_name": "e2e"}).json()["experiment"]
-    runs = httpx.post(f"{api}/runs/search", json={"experiment_ids": [exp["experiment_id"]]}).json()["runs"]
-    (run,) = [r for r in runs if r["info"]["run_name"] == research.name]
-    run_id = run["info"]["run_id"]
-    params = {p["key"]: p["value"] for p in run["data"]["params"]}
-    assert params["trainer.max_steps"] == str(MAX_STEPS) and params["task.name"] == "arithmetic"
-    for name, want in expected_metrics(kafka, research).items():
-        history = httpx.get(
-            f"{api}/metrics/get-history", params={"run_id": run_id, "metric_key": name}
-        ).json()
-        assert {m["step"]: m["value"] for m in history["metrics"]} == pytest.approx(want), name
 
 
 # -- run identity ----------------------------------------------------------------------------------
