@@ -18,7 +18,7 @@ $(UV):
 
 $(STAMP): pyproject.toml Makefile | $(UV)
 	@test -x $(PY) || $(UV) venv -q --python $(PYTHON) $(VENV)
-	@$(UV) pip install -q --python $(PY) -e '.[dev]'
+	@$(UV) pip install -q --python $(PY) -e '.[dev,trackers]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
 # vLLM's CPU build in an environment of its own (deploy/vllm/requirements.txt says why).
@@ -47,14 +47,18 @@ pytest: setup vllm
 
 test: setup vllm lint typecheck pytest
 
-DEMO_MODEL := models/tiny-arith
+DEMO_MODEL ?= models/tiny-arith
+DEMO_CONFIG ?= configs/demo-cpu.yaml
+# `make demo RUN=name` starts another run of the demo (a finished run is never trained again).
+RUN ?=
+DEMO_ARGS ?=
 
 # The demo's model: a tiny Qwen2 warm-started on the arithmetic task's format (built once).
 $(DEMO_MODEL)/config.json: | setup
 	$(VENV)/bin/stream-rl make-model --preset tiny --warm-start arithmetic --out $(DEMO_MODEL) --overwrite
 
 demo: setup $(DEMO_MODEL)/config.json
-	$(VENV)/bin/stream-rl run configs/demo-cpu.yaml
+	$(VENV)/bin/stream-rl run $(DEMO_CONFIG) $(if $(RUN),--set run=$(RUN)) $(DEMO_ARGS)
 
 clean-venv:
 	rm -rf $(VENV) $(VLLM_VENV)

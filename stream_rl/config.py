@@ -358,6 +358,68 @@ class TrainerConfig(Model):
     """Serve Prometheus `/metrics` on this port (0 = any free port; None = off)."""
 
 
+class EvalConfig(Model):
+    every: int = Field(0, ge=0)
+    """Evaluate on the task's held-out split every N versions (versions 0, N, 2N, ... and the final
+    one) with the evaluator stage; 0 = no evaluation."""
+    max_problems: int | None = Field(None, ge=1)
+    """Evaluate the first N problems of the held-out split (None: all of it)."""
+    greedy: bool = True
+    """Greedy decoding (temperature 0): pass@1."""
+    samples: int = Field(0, ge=0)
+    """k samples per problem at `temperature`: sampled pass@1 and pass@k (0 = none)."""
+    temperature: float = Field(1.0, gt=0)
+    """Temperature of the k samples."""
+    max_tokens: int | None = Field(None, ge=1)
+    """Completion tokens per model call (None: `actor.sampling.max_tokens`)."""
+    concurrency: int = Field(32, ge=1)
+    """Requests in flight at once (per evaluation, across the servers)."""
+    pin: bool = True
+    """Pin evaluated versions: the trainer holds the push of the version after a due one until that
+    one's evaluation is published (at most `timeout_s`), so every evaluation samples exactly its
+    version (off-version tokens 0), at the cost of a pause per evaluation (generation goes on with
+    the evaluated weights meanwhile). False: training never waits; the evaluator measures the
+    fraction of tokens sampled by later versions."""
+    timeout_s: float = Field(120.0, gt=0)
+    """Longest wait for one evaluation: the trainer's hold (`pin`), and the launcher's wait for the
+    final version's evaluation before it stops the run."""
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalConfig:
+        if self.every and not self.greedy and not self.samples:
+            raise ValueError("eval: set greedy: true or samples > 0 (nothing to evaluate)")
+        return self
+
+    def sampling(self, base: SamplingConfig, greedy: bool) -> SamplingConfig:
+        """The sampling of eval requests: greedy, or at `temperature`; the rest from `base`."""
+        return base.model_copy(
+            update={
+                "temperature": 0.0 if greedy else self.temperature,
+                "top_p": 1.0,
+                "top_k": 0,
+                "max_tokens": self.max_tokens or base.max_tokens,
+            }
+        )
+
+
+class TrackConfig(Model):
+    to: list[Literal["wandb", "mlflow", "tensorboard"]] = Field(default_factory=list)
+    """Experiment trackers the launcher feeds while the run goes (a `stream-rl track --follow`
+    child); `stream-rl track --run R --to ...` backfills a finished run the same way."""
+    mlflow_uri: str | None = None
+    """MLflow tracking URI (None: $MLFLOW_TRACKING_URI, else MLflow's default `./mlruns`)."""
+    mlflow_experiment: str = "stream-rl"
+    """MLflow experiment the run is logged in."""
+    wandb_project: str = "stream-rl"
+    """W&B project."""
+    wandb_mode: Literal["online", "offline"] = "offline"
+    """W&B mode: `offline` writes the run under `wandb_dir` (`wandb sync` uploads it later)."""
+    wandb_dir: str | None = None
+    """Where W&B writes (None: `runs/<run>/`)."""
+    tensorboard_dir: str | None = None
+    """TensorBoard event files (None: `runs/<run>/tensorboard/`)."""
+
+
 class LauncherConfig(Model):
     restart: bool = False
     """Restart a stage that dies instead of stopping the run."""
@@ -405,6 +467,8 @@ class RunConfig(Model):
     verifier: VerifierConfig = Field(default_factory=VerifierConfig)
     preprocessor: PreprocessorConfig = Field(default_factory=PreprocessorConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    track: TrackConfig = Field(default_factory=TrackConfig)
     launcher: LauncherConfig = Field(default_factory=LauncherConfig)
 
     @model_validator(mode="after")

@@ -29,6 +29,7 @@ from typing import Any
 from stream_rl.config import ADMIN_TOKEN_ENV, RunConfig, dump_config, load_config
 from stream_rl.contracts import WeightVersionKind
 from stream_rl.errors import StreamRLError
+from stream_rl.identity import Identity, RunState, decide
 from stream_rl.inference.servers import check_engine, launch_for
 from stream_rl.kafka.broker import LocalBroker, free_port
 from stream_rl.kafka.outage import REACHABLE_WAIT_ENV
@@ -132,6 +133,29 @@ class Launcher:
             self.broker = broker  # ours to stop at the end
         return bootstrap
 
+    def check_identity(self) -> Identity:
+        """New, resume, or refuse (`stream_rl/identity.py`), before anything starts."""
+        import shutil
+
+        from stream_rl.kafka.client import KafkaTransport
+        from stream_rl.kafka.topics import WEIGHT_VERSIONS, TopicNames
+        from stream_rl.train.lineage import read_weight_versions
+
+        kafka = KafkaTransport(self.bootstrap)
+        names = TopicNames(run=self.config.run, prefix=self.config.kafka.prefix)
+        lineage = (
+            read_weight_versions(kafka, names)
+            if names[WEIGHT_VERSIONS] in set(kafka.list_topic_names())
+            else []
+        )
+        identity = decide(self.config, lineage, self.bootstrap)
+        if identity.state == RunState.NEVER_TRAINED:
+            # The trainer's record describes the config of its first start: that start trained nothing.
+            shutil.rmtree(self.run_dir / "trainer" / "record", ignore_errors=True)
+        if identity.message:
+            print(identity.message, file=sys.stderr)
+        return identity
+
     def apply_topics(self) -> None:
         from stream_rl.kafka.client import KafkaTransport
         from stream_rl.kafka.topics import TopicNames, apply_topics, publish_schemas
@@ -158,6 +182,7 @@ class Launcher:
         stage_counts = [
             ("trainer", 1),
             ("loader", 1),
+            ("evaluator", 1 if cfg.eval.every else 0),
             ("preprocessor", cfg.launcher.preprocessors),
             ("verifier", cfg.launcher.verifiers),
             ("actor", cfg.launcher.actors),
@@ -170,10 +195,24 @@ class Launcher:
                 config_path = child_dir / "config.yaml"
                 config_path.write_text(dump_config(cfg))
                 cmd = [*py, role, "--config", str(config_path), "--bootstrap", self.bootstrap]
-                if role != "loader":
+                if role not in ("loader",):
                     cmd += ["--instance", str(i)]
                 # The loader is idempotent (it writes only the missing records): restartable too.
                 self._add(name, role, cmd, metrics=role != "loader")
+
+        if cfg.track.to:
+            cmd = [
+                *py,
+                "track",
+                "--run",
+                cfg.run,
+                "--runs-dir",
+                cfg.runs_dir,
+                "--follow",
+                "--bootstrap",
+                self.bootstrap,
+            ]
+            self._add("tracker", "track", cmd, metrics=False, restartable=False)
 
     def _add(
         self,
@@ -210,6 +249,7 @@ class Launcher:
                     "metrics_ports": ports,
                     "servers": servers,
                     "launcher_port": launcher_port,
+                    "launcher_pid": os.getpid(),
                     "pids": pids,
                 },
                 indent=2,
@@ -300,8 +340,8 @@ class Launcher:
             if child.proc is None or child.proc.poll() is None:
                 continue
             code = child.proc.returncode
-            if child.role == "loader" and code == 0:
-                continue  # the loader's job is done
+            if child.role in ("loader", "evaluator", "track") and code == 0:
+                continue  # its job is done (the evaluator's: the final version is evaluated)
             if child.role == "trainer" and code == 0:
                 self.exit_reason = "trainer finished"
                 return False
@@ -348,7 +388,12 @@ class Launcher:
         """SIGTERM in waves, each drained before the next: producers first (so downstream
         stages see their last records), the trainer after the stages, the servers last (an
         actor finishing its in-flight requests still needs them)."""
-        waves = [("loader", "actor"), ("verifier", "preprocessor"), ("trainer",), ("server",)]
+        waves = [
+            ("loader", "actor", "evaluator"),
+            ("verifier", "preprocessor"),
+            ("trainer", "track"),
+            ("server",),
+        ]
         for roles in waves:
             live = [c for c in self.children if c.role in roles and c.proc and c.proc.poll() is None]
             for child in live:
@@ -366,6 +411,27 @@ class Launcher:
                     )
                     child.proc.kill()
                     child.proc.wait()
+
+    def wait_for_eval(self, monitor: Any, version: int, what: str) -> None:
+        """With an evaluator: wait (up to `eval.timeout_s`) for its result of `version` (the final
+        version's: the servers stay up until it is evaluated)."""
+        evaluator = next((c for c in self.children if c.role == "evaluator"), None)
+        if evaluator is None:
+            return
+        deadline = time.monotonic() + self.config.eval.timeout_s
+        while not self.stop and not monitor.has_eval(version):
+            monitor.tick()
+            proc = evaluator.proc
+            if proc is not None and proc.poll() is not None and proc.returncode != 0:
+                return  # check_children reports it
+            if time.monotonic() > deadline:
+                print(
+                    f"\nwarning: no evaluation of {what} (version {version}) within "
+                    f"eval.timeout_s={self.config.eval.timeout_s:.0f}s; going on (see {evaluator.log})",
+                    file=sys.stderr,
+                )
+                return
+            time.sleep(0.2)
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -396,10 +462,11 @@ class Launcher:
         if engine_version:
             print(f"inference engine: {self.config.inference.engine} {engine_version}", file=sys.stderr)
         self.bootstrap = self.start_broker()
+        identity = self.check_identity()
         self.apply_topics()
         self.plan()
         self.check_server_ports()
-        monitor = RunMonitor(self.config, self.bootstrap)
+        monitor = RunMonitor(self.config, self.bootstrap, since_version=identity.last_version)
         try:
             for child in self.children:
                 if child.role == "server":
@@ -424,6 +491,7 @@ class Launcher:
                 latest = monitor.latest
                 if latest is not None and latest.kind == WeightVersionKind.FINAL:
                     self.exit_reason = f"reached max_steps ({latest.step})"
+                    self.wait_for_eval(monitor, latest.version, "the final version")
                     break
                 if max_wall is not None and time.monotonic() - started > max_wall:
                     self.exit_reason = f"max_wall_s ({max_wall:.0f}s) reached"
@@ -461,17 +529,32 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
-def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
-    r = summary.get("reward", {})
+def _fmt(value: Any, spec: str = ".3f") -> str:
+    return "-" if not isinstance(value, int | float) else format(value, spec)
 
-    def num(x: Any) -> str:
-        return "-" if x is None else f"{x:.3f}"
 
-    print(
-        f"\nrun finished ({summary.get('exit_reason')}) in {summary.get('wall_s') or 0:.0f}s: "
-        f"versions {summary.get('versions', {}).get('last', '-')}, "
-        f"reward {num(r.get('first3_mean'))} -> {num(r.get('last3_mean'))}"
+def summary_line(summary: dict[str, Any]) -> str:
+    """One line for what this invocation trained (never the figures of an earlier invocation)."""
+    v = summary.get("versions") or {}
+    r = summary.get("reward") or {}
+    how = "finished" if str(summary.get("exit_reason", "")).startswith("reached max_steps") else "stopped"
+    head = f"run {summary.get('run')} {how} ({summary.get('exit_reason')}) after {_fmt(summary.get('wall_s'), '.0f')}s"
+    if summary.get("resumed_from") is not None:
+        head += f", resumed at version {summary['resumed_from']}"
+    if not v.get("count"):
+        return head + ": no version trained by this invocation"
+    line = (
+        f"{head}: trained versions {v.get('first')}-{v.get('last')}, reward "
+        f"{_fmt(r.get('first3_mean'))} -> {_fmt(r.get('last3_mean'))}"
     )
+    ev = (summary.get("eval") or {}).get("last")
+    if ev:
+        line += f", eval pass@1 {_fmt((summary['eval'].get('first') or {}).get('pass_at_1'))} -> {_fmt(ev.get('pass_at_1'))} (version {ev.get('version')})"
+    return line
+
+
+def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
+    print("\n" + summary_line(summary))
     print(f"summary: {run_dir / 'summary.json'}; plots: {run_dir / 'plots'}")
 
 

@@ -40,11 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stream_rl.config import RunConfig, load_config
-from stream_rl.contracts import PartitionOffset, TrainingBatch, WeightVersion, WeightVersionKind
+from stream_rl.contracts import EvalResult, PartitionOffset, TrainingBatch, WeightVersion, WeightVersionKind
 from stream_rl.errors import ConfigError, ContractError, KafkaError
+from stream_rl.kafka.follower import RecordFollower
 from stream_rl.kafka.serde import Serde, default_serde
 from stream_rl.kafka.stage import StopFlag, dlq_headers
-from stream_rl.kafka.topics import TRAINING_BATCHES, WEIGHT_VERSIONS, TopicNames
+from stream_rl.kafka.topics import EVAL_RESULTS, TRAINING_BATCHES, WEIGHT_VERSIONS, TopicNames
 from stream_rl.kafka.transport import Consumer, Message, Producer, Transport
 from stream_rl.metrics import DLQ, RECORDS_IN, UP, serve_metrics
 from stream_rl.train import metrics as tm
@@ -121,6 +122,12 @@ class TrainerStage:
         self._last_connect = 0.0
         self._checkpointed_step = -1
         self._last_step_end = time.monotonic()
+        self._published_here: set[int] = set()
+        self._evals: RecordFollower[EvalResult] | None = None
+        if config.eval.every and config.eval.pin:
+            self._evals = RecordFollower(
+                transport, self.names.topic(EVAL_RESULTS), EvalResult, f"{STAGE}-evals", self.serde
+            )
         self.trainer: TrainerBackend  # set by _load()
         self.producer: Producer  # set by run()
 
@@ -200,6 +207,7 @@ class TrainerStage:
             wv.metrics["checksum_mismatch"] = 1.0
         self.producer.produce(self.out_topic, self.serde.encode(wv), key=self.config.run)
         self.producer.flush()
+        self._published_here = {st.version}  # only the last one matters to the eval hold
         self.stats.published += 1
 
     def _checkpoint(self, consumer: Consumer | None) -> str:
@@ -224,6 +232,28 @@ class TrainerStage:
 
     # -- one step ----------------------------------------------------------------------------
 
+    def _hold_for_eval(self, version: int) -> None:
+        """`eval.pin`: before pushing `version`, wait until the evaluation of the version before it
+        is published when that one is due and was published by this process (so the evaluator
+        samples exactly it; `stream_rl/stages/evaluator.py`), at most `eval.timeout_s`."""
+        from stream_rl.stages.evaluation import is_due
+
+        previous = version - 1
+        ecfg = self.config.eval
+        if self._evals is None or previous not in self._published_here:
+            return
+        if not is_due(previous, ecfg.every, final=False):
+            return
+        started = time.monotonic()
+        while not any(ev.version == previous for ev in self._evals.records):
+            if self.stop or time.monotonic() - started > ecfg.timeout_s:
+                log.warning(
+                    "no evaluation of version %d within %.0fs: pushing %d", previous, ecfg.timeout_s, version
+                )
+                return
+            time.sleep(0.05)
+        tm.EVAL_HOLD_SECONDS.inc(time.monotonic() - started)
+
     def _finish_step(self, runner: StepRunner, consumer: Consumer) -> None:
         summary = runner.finish()
         acc, st, tcfg = summary.acc, self.state, self.tcfg
@@ -242,6 +272,7 @@ class TrainerStage:
                 st.version,
                 summary.outcome.grad_norm,
             )
+        self._hold_for_eval(st.version)
         st.checksum, report = self._sync(st.version)
         final = st.version >= tcfg.max_steps
         uri = None
@@ -302,6 +333,8 @@ class TrainerStage:
         UP.labels(STAGE).set(1)
         try:
             self._load()
+            if self._evals is not None:
+                self._evals.start()
             # Only the versions this process may re-train (those after its checkpoint) are kept: the
             # lineage of a long run would otherwise stay in memory (and grow with every version).
             lineage = by_version(read_weight_versions(self.transport, self.names, self.serde))
@@ -332,6 +365,8 @@ class TrainerStage:
                 for closer in (trainer, consumer, producer, self.pusher):
                     if closer is not None:
                         closer.close()  # DeepSpeed: releases the other ranks
+                if self._evals is not None:
+                    self._evals.stop()
         self.stats.version = self.state.version
         self.stats.checksum = self.state.checksum
         return self.stats

@@ -5,6 +5,9 @@ pydantic model with unknown keys forbidden) into:
 - `load_problems(run_id, seed) -> list[Problem]`: every problem at epoch 0 (the loader stage
   sets epochs). `problem_id`s are unique within the list and stable across calls: derived from
   the content or the position in the source, never drawn at random per call.
+- `load_eval_problems(run_id, seed) -> list[Problem]`: the held-out split (named `eval_split`),
+  disjoint from `load_problems`' problems (no id and no prompt in common), with stable ids; the
+  evaluator stage samples it. Every built-in task has one.
 - `score(problem, completion, *, finish_reason="stop") -> Scored`: the verdict and the reward of
   one completion (its text without the end-of-sequence token). The reward function belongs to
   the task (default 1.0 for `correct`, else 0.0). Scoring is deterministic and runs in
@@ -124,6 +127,14 @@ class Task:
 
     def load_problems(self, run_id: str, seed: int) -> list[Problem]:
         raise NotImplementedError
+
+    @property
+    def eval_split(self) -> str:
+        """The name of the held-out split (EvalResult.split)."""
+        return "held-out"
+
+    def load_eval_problems(self, run_id: str, seed: int) -> list[Problem]:
+        raise TaskError(f"task {self.name!r} has no held-out split to evaluate on")
 
     def score(self, problem: Problem, completion: str, *, finish_reason: str = "stop") -> Scored:
         raise NotImplementedError

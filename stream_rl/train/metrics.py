@@ -29,6 +29,9 @@ CHECKPOINTS = Counter("stream_rl_trainer_checkpoints", "Checkpoints written")
 SKIPPED_STEPS = Counter("stream_rl_trainer_skipped_steps", "Steps not applied: the gradient was not finite")
 DUPLICATES = Counter("stream_rl_trainer_duplicates", "Samples dropped: their id was trained before")
 NONFINITE = Counter("stream_rl_trainer_nonfinite_micro_batches", "Micro-batches whose loss was not finite")
+EVAL_HOLD_SECONDS = Counter(
+    "stream_rl_trainer_eval_hold_seconds", "Seconds pushes were held for evaluations (eval.pin)"
+)
 
 
 def observe_step(version: int, metrics: Mapping[str, float], lags: Iterable[int]) -> None:

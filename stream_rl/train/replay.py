@@ -74,11 +74,13 @@ class ReplayReport:
 class _Reader:
     """Messages of the assigned partitions, handed out per partition in offset order."""
 
-    def __init__(self, transport: Transport, topic: str, poll_timeout_s: float) -> None:
+    def __init__(
+        self, transport: Transport, topic: str, poll_timeout_s: float, start: dict[int, int] | None = None
+    ) -> None:
         self.parts = sorted(transport.watermarks(topic))
         self.topic = topic
         self.consumer = transport.consumer(None, "replay-trainer")
-        self.consumer.assign({(topic, p): 0 for p in self.parts})
+        self.consumer.assign({(topic, p): (start or {}).get(p, 0) for p in self.parts})
         self.pending: dict[TopicPartition, deque[Message]] = {(topic, p): deque() for p in self.parts}
         self.poll_timeout_s = poll_timeout_s
 
