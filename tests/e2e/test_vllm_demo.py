@@ -21,7 +21,11 @@ from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.topics import TRAINING_BATCHES, TopicNames
 from stream_rl.train.lineage import read_weight_versions
 
-pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.timeout(1800)]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.vllm,
+    pytest.mark.timeout(int(os.environ.get("STREAM_RL_VLLM_TIMEOUT", "1800"))),
+]
 
 REPO = Path(__file__).resolve().parents[2]
 
