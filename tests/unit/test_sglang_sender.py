@@ -33,11 +33,16 @@ WEIGHTS = [
 
 
 class Work:
-    def __init__(self, done: bool) -> None:
-        self.done = done
+    def __init__(self, done: bool, error: str | None = None) -> None:
+        self.done, self.error = done, error
 
     def is_completed(self) -> bool:
         return self.done
+
+    def wait(self) -> bool:
+        if self.error:
+            raise RuntimeError(self.error)
+        return True
 
 
 class FakeCollectives:
@@ -46,6 +51,7 @@ class FakeCollectives:
         self.sent: list[torch.Tensor] = []
         self.destroyed: list[str] = []
         self.complete = True
+        self.error: str | None = None
 
     def join(self, **kwargs: Any) -> Any:
         self.joined.append(kwargs)
@@ -53,7 +59,7 @@ class FakeCollectives:
 
     def broadcast(self, group: Any, tensor: torch.Tensor) -> Work:
         self.sent.append(tensor.clone())
-        return Work(self.complete)
+        return Work(self.complete, self.error)
 
     def destroy(self, group: Any) -> None:
         self.destroyed.append(group)
@@ -194,6 +200,18 @@ def test_a_failed_update_labels_the_weights_incomplete_resumes_and_drops_the_ser
     assert steps.index("/update_weight_version") < steps.index("/continue_generation")
     assert ("/destroy_weights_update_group", {"group_name": f"{PREFIX}-1"}) in fake.calls
     assert collectives.destroyed == [f"pg:{PREFIX}-1"]
+
+
+def test_a_failed_collective_is_a_dropped_server_not_a_crashed_trainer() -> None:
+    fake = FakeSGLang()
+    sender, collectives = make(fake)
+    sender.connect()
+    collectives.error = "NCCL error: remote process exited"
+    report = sender.push(2, WEIGHTS, bucket_bytes=1 << 20)
+    assert "remote process exited" in report.failed[URL] and sender.live_servers == []
+    sender.close()
+    assert ("/update_weight_version", {"new_version": INCOMPLETE, "abort_all_requests": False}) in fake.calls
+    assert paths(fake)[-1] == "/destroy_weights_update_group"
 
 
 def test_join_recovers_an_update_a_dead_trainer_left_open() -> None:

@@ -220,13 +220,19 @@ class SGLangWeightSender(EngineSender):
         pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-update")
         try:
             request = pool.submit(self._post, handle.server, "/update_weights_from_distributed", body)
-            work = self.collectives.broadcast(handle.group, tensor)
-            while not work.is_completed():
-                if request.done() and request.exception() is not None:
-                    raise WeightSyncError(f"the server failed the update: {request.exception()}")
-                if time.monotonic() > deadline:
-                    raise WeightSyncError(f"the broadcast of group {handle.name} did not complete in time")
-                time.sleep(_POLL_S)
+            try:
+                work = self.collectives.broadcast(handle.group, tensor)
+                while not work.is_completed():
+                    if request.done() and request.exception() is not None:
+                        raise WeightSyncError(f"the server failed the update: {request.exception()}")
+                    if time.monotonic() > deadline:
+                        raise WeightSyncError(
+                            f"the broadcast of group {handle.name} did not complete in time"
+                        )
+                    time.sleep(_POLL_S)
+                work.wait()  # completed: raises if the collective failed
+            except RuntimeError as exc:  # torch's collective errors
+                raise WeightSyncError(f"the broadcast of group {handle.name} failed: {exc}") from exc
             try:
                 request.result(timeout=max(deadline - time.monotonic(), 0.0))
             except cf.TimeoutError:

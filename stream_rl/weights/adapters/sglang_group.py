@@ -64,6 +64,8 @@ def join_group(
 class Work(Protocol):
     def is_completed(self) -> bool: ...
 
+    def wait(self) -> object: ...
+
 
 class Collectives(Protocol):
     """The collectives the sender needs; `TorchCollectives` on GPUs, a fake in unit tests."""
