@@ -1,4 +1,4 @@
-"""A stand-in for an SGLang 0.5.23 server's weight-update routes, for tests/integration/test_sglang_sender.py.
+"""A stand-in for an SGLang 0.5.23 server's weight-update routes, for tests/integration/test_sglang_over_gloo.py.
 
     python sglang_fake_server.py PORT [TP_SIZE]
 

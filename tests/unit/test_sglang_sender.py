@@ -1,6 +1,6 @@
 """The SGLang sender's HTTP protocol against a fake SGLang (httpx.MockTransport) and fake
 collectives: the exact calls and bodies of join, update (per pause policy), failure, recovery
-and drop, and unique group names. The real group over gloo: tests/integration/test_sglang_sender.py;
+and drop, and unique group names. The real group over gloo: tests/integration/test_sglang_over_gloo.py;
 over NCCL against SGLang: tests/gpu/test_engine_adapters.py."""
 
 from __future__ import annotations

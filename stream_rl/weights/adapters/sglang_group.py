@@ -13,7 +13,8 @@ We form the group ourselves rather than import SGLang's helper: the trainer's en
 SGLang (its wheel pins torch, transformers and CUDA kernel packages of its own). Both sides then
 run torch's own helper, so their store keys agree as long as torch's layout does between the
 trainer's and the server's torch releases (UNVERIFIED on GPU; the same rendezvous over gloo is
-tested on CPU: tests/integration/test_sglang_group.py).
+tested on CPU: tests/integration/test_sglang_over_gloo.py, and against SGLang's own helper by
+tests/data/sglang-0.5.23/sglang_bodies.py group).
 
 `load_format: "flattened_bucket"` (model_runner_components/weight_updater.py:260-310; weight_sync/tensor_bucket.py:86-133):
 the server allocates one uint8 buffer holding the listed tensors back to back in list order,
