@@ -483,6 +483,10 @@ class RunConfig(Model):
             raise ValueError(
                 "inference.engine: sglang needs inference.device: cuda (SGLang has no CPU build that runs here)"
             )
+        if "sglang" in engines and self.trainer.device != "cuda":
+            raise ValueError(
+                "inference.engine: sglang needs trainer.device: cuda (its weights travel over NCCL)"
+            )
         if "vllm" in engines and inf.vllm_backend() == "nccl" and self.trainer.device != "cuda":
             raise ValueError(
                 "inference.vllm.weight_transfer: nccl needs trainer.device: cuda (use stream_rl_gloo on CPU)"

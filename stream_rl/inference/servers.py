@@ -13,9 +13,12 @@ long to wait for `/health`, and the check, before anything starts, that the engi
   `--max-num-seqs` = `inference.max_batch`, `--seed`, and on CPU `--enforce-eager`; environment
   `VLLM_SERVER_DEV_MODE=1` (registers the weight routes), on CPU `VLLM_TARGET_DEVICE=cpu` and
   `VLLM_CPU_KVCACHE_SPACE`.
-- `sglang`: `python -m sglang.launch_server` (CUDA only; UNVERIFIED here) with `--weight-version 0`
-  (labels start at our version 0), `--disable-radix-cache` (no old-weight prefix reuse),
-  `--max-running-requests`, `--random-seed`.
+- `sglang`: `sglang.launch_server` (CUDA only; UNVERIFIED here; `SGLANG_MAIN` adds
+  `--admin-api-key` from the environment) with `--weight-version 0` (labels start at our
+  version 0), `--disable-radix-cache` (no old-weight prefix reuse), `--max-running-requests`,
+  `--random-seed`, `--disable-overlap-schedule` when the pause policy is keep (exact version
+  spans across an in-place pause), `--enable-deterministic-inference` when
+  `actor.seeded_sampling` (SGLang ignores request seeds otherwise).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stream_rl.config import RunConfig
+from stream_rl.config import ADMIN_TOKEN_ENV, RunConfig
 from stream_rl.errors import ConfigError
 
 VLLM_VERIFIED = ("0.32",)
@@ -165,12 +168,26 @@ def _vllm_launch(config: RunConfig, port: str, seed: str) -> ServerLaunch:
     return ServerLaunch(cmd + list(v.extra_args), env, v.startup_timeout_s)
 
 
+SGLANG_SUPPORTED = ("0.5.23",)
+"""SGLang releases whose API the code follows (read from the 0.5.23 wheel; never run here)."""
+
+SGLANG_MAIN = (
+    "import os, runpy, sys\n"
+    f"token = os.environ.get({ADMIN_TOKEN_ENV!r})\n"
+    "if token:\n"
+    "    sys.argv += ['--admin-api-key', token]\n"
+    "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)\n"
+)
+"""`python -m sglang.launch_server`, plus `--admin-api-key` from the environment when a token is
+set: the token reaches SGLang without appearing in the run directory's cmd.txt or in `ps`."""
+
+
 def _sglang_launch(config: RunConfig, port: str, seed: str) -> ServerLaunch:
     inf, s = config.inference, config.inference.sglang
     cmd = [
         s.python or "python3",
-        "-m",
-        "sglang.launch_server",
+        "-c",
+        SGLANG_MAIN,
         "--model-path",
         config.model.path,
         "--dtype",
@@ -187,6 +204,12 @@ def _sglang_launch(config: RunConfig, port: str, seed: str) -> ServerLaunch:
         "0",
         "--disable-radix-cache",
     ]
+    if config.in_flight_updates and inf.kv_policy == "keep":  # push.pause_policy() == "keep"
+        # An in-place pause leaves the overlap scheduler's launched batch unprocessed, so its
+        # token would be counted under the new version (README "SGLang").
+        cmd.append("--disable-overlap-schedule")
+    if config.actor.seeded_sampling:
+        cmd.append("--enable-deterministic-inference")  # SGLang ignores request seeds without it
     return ServerLaunch(cmd + list(s.extra_args), {}, s.startup_timeout_s)
 
 
@@ -199,6 +222,11 @@ def check_engine(config: RunConfig) -> str | None:
     if inf.engine == "sglang":
         python = inf.sglang.python or "python3"
         version = _probe(python, "sglang", "inference.sglang.python")
+        if not version.startswith(SGLANG_SUPPORTED):
+            raise ConfigError(
+                f"inference.engine: sglang {version} at {python} is not supported (stream-rl follows "
+                f"SGLang {', '.join(SGLANG_SUPPORTED)})"
+            )
         return version
     python = vllm_python(config)
     version = _probe(python, "vllm", "inference.vllm.python", "make vllm")

@@ -91,7 +91,9 @@ def _engine_sender(config: RunConfig, engine: str, endpoints: list[Any]) -> Weig
     if engine == "sglang":
         from stream_rl.weights.adapters.sglang import SGLangWeightSender
 
-        return SGLangWeightSender(endpoints, master_addr=addr, master_port=port, timeout_s=timeout_s)
+        return SGLangWeightSender(
+            endpoints, master_addr=addr, master_port=port, timeout_s=timeout_s, pause=pause_policy(config)
+        )
     from stream_rl.weights import WeightSender
 
     backend = "nccl" if tcfg.device == "cuda" else "gloo"
