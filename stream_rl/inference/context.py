@@ -24,6 +24,9 @@ from stream_rl.inference.model_maker import byte_symbols
 class Receiver(Protocol):
     """What the server needs of `stream_rl.weights.receiver.WeightReceiver`."""
 
+    ready: Any
+    """After `receive`: a CUDA event the swap must wait for (None: the bytes are in place)."""
+
     def receive(self, metas: list[Any], bucket_bytes: int, into: Callable[[Any], Any]) -> float: ...
 
     def close(self) -> None: ...

@@ -149,6 +149,7 @@ def run(
         model.path,
         device=inference.device,
         dtype=model.dtype,
+        attn_implementation=model.attn_implementation,
         max_batch=inference.max_batch,
         kv_policy=inference.kv_policy,
         swap_policy=swap_policy,
@@ -197,6 +198,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     d = InferenceConfig()
     parser.add_argument("--model", required=True, help="local Hugging Face model directory")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--attn-implementation",
+        default="sdpa",
+        choices=["eager", "sdpa", "flash_attention_2"],
+        help="transformers attention kernels (flash_attention_2 needs flash-attn and CUDA)",
+    )
     parser.add_argument("--host", default=d.host, help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=d.base_port, help="port (0 = any free port)")
     parser.add_argument("--port-file", help="write the bound port to this file once listening")
@@ -234,7 +241,7 @@ def main_serve(args: argparse.Namespace) -> int:
             weights_timeout_s=args.weights_timeout,
             seed=args.seed,
         )
-        model = ModelConfig(path=args.model, dtype=args.dtype)
+        model = ModelConfig(path=args.model, dtype=args.dtype, attn_implementation=args.attn_implementation)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, "stream-rl serve")) from exc
     run(
