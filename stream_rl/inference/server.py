@@ -5,7 +5,7 @@ Consumes HTTP requests and weight broadcasts; produces completions. Routes:
 - `GET /v1/models` (the served model and its weight version), `GET /health` (200
   `{"status": "ok", "version"}` while the decode loop is alive, else 503), `GET /metrics`
   (Prometheus, metrics.py).
-- `/weights/*` (admin token): weights_routes.py.
+- `/weights/*` (admin token): weights_routes.py (process groups), ipc_routes.py (CUDA IPC).
 Invariants: binds 127.0.0.1 unless told; every error is a JSON body with a 4xx/5xx status,
 never a crash; one engine thread decodes, the event loop only parses, queues and formats.
 
@@ -33,7 +33,7 @@ from pydantic import ValidationError
 
 from stream_rl.config import InferenceConfig, ModelConfig, format_validation_error
 from stream_rl.errors import ConfigError, StreamRLError
-from stream_rl.inference import openai_routes, weights_routes
+from stream_rl.inference import ipc_routes, openai_routes, weights_routes
 from stream_rl.inference.context import APIError, ReceiverFactory, ServerContext, validation_message
 from stream_rl.inference.engine import SWAP_POLICIES, Engine, SwapPolicy
 from stream_rl.inference.metrics import ServerMetrics
@@ -127,6 +127,7 @@ def create_app(
 
     app.include_router(openai_routes.router)
     app.include_router(weights_routes.router)
+    app.include_router(ipc_routes.router)
     return app
 
 

@@ -92,10 +92,18 @@ def _engine_sender(config: RunConfig, engine: str, endpoints: list[Any]) -> Weig
         from stream_rl.weights.adapters.sglang import SGLangWeightSender
 
         return SGLangWeightSender(endpoints, master_addr=addr, master_port=port, timeout_s=timeout_s)
-    from stream_rl.weights import WeightSender
+    from stream_rl.weights.transport import make_builtin_sender
 
-    backend = "nccl" if tcfg.device == "cuda" else "gloo"
-    return WeightSender(endpoints, backend=backend, master_addr=addr, master_port=port, timeout_s=timeout_s)
+    # trainer.weight_transport (transport.py): gloo, nccl, cuda_ipc, or auto (per server, by device)
+    sender: WeightPusher = make_builtin_sender(
+        endpoints,
+        transport=tcfg.weight_transport,
+        trainer_device=tcfg.device,
+        master_addr=addr,
+        master_port=port,
+        timeout_s=timeout_s,
+    )
+    return sender
 
 
 class MultiSender:
