@@ -96,9 +96,37 @@ def load_causal_lm(
     model: Any = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=DTYPES[dtype], attn_implementation=attn_implementation, local_files_only=True
     )
-    keep_lm_head_fp32(model)
+    if keep_lm_head_fp32(model):
+        _reload_fp32_head(model, Path(path))
     model.to(torch.device(device))
     return model
+
+
+def _reload_fp32_head(model: Any, path: Path) -> None:
+    """Our own checkpoints store the fp32 head in float32, and `from_pretrained(dtype=bf16)` has
+    just rounded it: read it again, exactly (a head saved in bf16 is left as loaded)."""
+    import json
+
+    from safetensors import safe_open
+
+    name = untied_head_name(model)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shard = json.loads(index.read_text()).get("weight_map", {}).get(name)
+        file = path / shard if shard else None
+    else:
+        file = path / "model.safetensors"
+    if name is None or file is None or not file.is_file():
+        return
+    with safe_open(str(file), framework="pt") as f:
+        if name not in f.keys():  # noqa: SIM118 (safe_open has keys(), not __contains__)
+            return
+        saved = f.get_tensor(name)
+    if saved.dtype == torch.float32 and tuple(saved.shape) == tuple(
+        model.get_output_embeddings().weight.shape
+    ):
+        with torch.no_grad():
+            model.get_output_embeddings().weight.copy_(saved)
 
 
 def enable_gradient_checkpointing(model: Any) -> int:
