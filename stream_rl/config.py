@@ -71,7 +71,12 @@ class ModelConfig(Model):
     path: str = "models/tiny"
     """Local Hugging Face model directory (no hub downloads)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype of the trainer and the built-in engine."""
+    """Parameter dtype of the trainer and the built-in engine. With bfloat16 (or float16) an untied
+    lm_head stays float32 in both (PipelineRL's rule), and the torch trainer steps float32 master
+    weights (`stream_rl/train/precision.py`)."""
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
+    """Attention kernels of the trainer and the built-in engine (transformers' `attn_implementation`);
+    `flash_attention_2` needs the flash-attn package, CUDA and a bf16/fp16 dtype."""
 
 
 class SamplingConfig(Model):
@@ -336,6 +341,15 @@ class TrainerConfig(Model):
     3: parameters too)."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Trainer device."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass (less memory, ~30% more
+    compute); both trainer backends."""
+    weight_transport: Literal["auto", "nccl", "gloo", "cuda_ipc"] = "auto"
+    """How weights reach the built-in servers: `gloo` (host memory; any device), `nccl` (GPU to
+    GPU; the server on another GPU), `cuda_ipc` (trainer and server on the same GPU: the server
+    copies from the trainer's buffers). `auto`: gloo for a CPU trainer; for a CUDA trainer, per
+    server, cuda_ipc when the server reports the trainer's GPU, else nccl. vLLM servers use
+    `inference.vllm.weight_transfer` instead."""
     torch_threads: int = Field(1, ge=1)
     """torch intra-op threads of the trainer process."""
     sync_master_port: int = Field(29500, ge=0, le=65535)
@@ -487,6 +501,27 @@ class RunConfig(Model):
             raise ValueError(
                 "inference.engine: sglang needs trainer.device: cuda (its weights travel over NCCL)"
             )
+        tcfg = self.trainer
+        if tcfg.weight_transport in ("nccl", "cuda_ipc") and tcfg.device != "cuda":
+            raise ValueError(
+                f"trainer.weight_transport: {tcfg.weight_transport} needs trainer.device: cuda (use gloo or auto on CPU)"
+            )
+        if tcfg.weight_transport != "auto" and engines and "builtin" not in engines:
+            raise ValueError(
+                "trainer.weight_transport applies to built-in servers only; set inference.vllm.weight_transfer for vLLM"
+            )
+        if tcfg.weight_transport in ("nccl", "cuda_ipc") and not inf.servers and inf.device != "cuda":
+            raise ValueError(
+                f"trainer.weight_transport: {tcfg.weight_transport} needs inference.device: cuda for launched servers"
+            )
+        if self.model.attn_implementation == "flash_attention_2":
+            problem = flash_attention_problem(self.model.dtype, [tcfg.device, inf.device])
+            if problem:
+                raise ValueError(problem)
+        if self.model.dtype == "float16" and tcfg.backend == "torch":
+            raise ValueError(
+                "model.dtype: float16 is not trained by trainer.backend: torch (no loss scaling); use bfloat16, or deepspeed"
+            )
         if "vllm" in engines and inf.vllm_backend() == "nccl" and self.trainer.device != "cuda":
             raise ValueError(
                 "inference.vllm.weight_transfer: nccl needs trainer.device: cuda (use stream_rl_gloo on CPU)"
@@ -496,6 +531,19 @@ class RunConfig(Model):
     @property
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / self.run
+
+
+def flash_attention_problem(dtype: str, devices: list[str]) -> str | None:
+    """Why `model.attn_implementation: flash_attention_2` cannot run here (None: it can)."""
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is None:
+        return "model.attn_implementation: flash_attention_2 needs the flash-attn package, which is not installed (use sdpa)"
+    if any(d != "cuda" for d in devices):
+        return "model.attn_implementation: flash_attention_2 runs on CUDA only (use sdpa on CPU)"
+    if dtype == "float32":
+        return "model.attn_implementation: flash_attention_2 needs model.dtype bfloat16 or float16"
+    return None
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:

@@ -134,6 +134,34 @@ class UpdateWeightsRequest(Body):
     bucket_bytes: int = Field(ge=1)
 
 
+class InitIpcRequest(Body):
+    """`POST /weights/init_ipc`: the trainer, on the GPU `device_uuid`, offers CUDA IPC updates."""
+
+    device_uuid: str = Field(min_length=1)
+    torch_version: str = Field(min_length=1)
+
+
+class IpcHandle(Body):
+    """One shared bucket (`stream_rl.weights.ipc.share`): torch's CUDA IPC fields, bytes in base64."""
+
+    device: int = Field(ge=0)
+    handle: str
+    storage_size: int = Field(ge=0)
+    storage_offset: int = Field(ge=0)
+    offset: int = Field(ge=0)
+    numel: int = Field(ge=0)
+    ref_counter_handle: str
+    ref_counter_offset: int = Field(ge=0)
+    event_handle: str | None = None
+    event_sync_required: bool
+
+
+class UpdateIpcRequest(UpdateWeightsRequest):
+    """`POST /weights/update_ipc`: an update whose buckets are shared, one handle per non-empty bucket."""
+
+    buckets: list[IpcHandle]
+
+
 # -- responses ---------------------------------------------------------------------------------
 
 

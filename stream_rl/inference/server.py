@@ -5,7 +5,7 @@ Consumes HTTP requests and weight broadcasts; produces completions. Routes:
 - `GET /v1/models` (the served model and its weight version), `GET /health` (200
   `{"status": "ok", "version"}` while the decode loop is alive, else 503), `GET /metrics`
   (Prometheus, metrics.py).
-- `/weights/*` (admin token): weights_routes.py.
+- `/weights/*` (admin token): weights_routes.py (process groups), ipc_routes.py (CUDA IPC).
 Invariants: binds 127.0.0.1 unless told; every error is a JSON body with a 4xx/5xx status,
 never a crash; one engine thread decodes, the event loop only parses, queues and formats.
 
@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stream_rl.config import InferenceConfig, ModelConfig, format_validation_error
 from stream_rl.errors import ConfigError, StreamRLError
-from stream_rl.inference import guards, openai_routes, weights_routes
+from stream_rl.inference import guards, ipc_routes, openai_routes, weights_routes
 from stream_rl.inference.context import APIError, ReceiverFactory, ServerContext, validation_message
 from stream_rl.inference.engine import SWAP_POLICIES, Engine, SwapPolicy
 from stream_rl.inference.metrics import ServerMetrics
@@ -135,6 +135,7 @@ def create_app(
 
     app.include_router(openai_routes.router, dependencies=[Depends(guards.check_model)])
     app.include_router(weights_routes.router)
+    app.include_router(ipc_routes.router)
     return app
 
 
@@ -158,6 +159,7 @@ def run(
         model.path,
         device=inference.device,
         dtype=model.dtype,
+        attn_implementation=model.attn_implementation,
         max_batch=inference.max_batch,
         kv_policy=inference.kv_policy,
         swap_policy=swap_policy,
@@ -208,6 +210,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     d = InferenceConfig()
     parser.add_argument("--model", required=True, help="local Hugging Face model directory")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--attn-implementation",
+        default="sdpa",
+        choices=["eager", "sdpa", "flash_attention_2"],
+        help="transformers attention kernels (flash_attention_2 needs flash-attn and CUDA)",
+    )
     parser.add_argument("--host", default=d.host, help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=d.base_port, help="port (0 = any free port)")
     parser.add_argument("--port-file", help="write the bound port to this file once listening")
@@ -251,7 +259,7 @@ def main_serve(args: argparse.Namespace) -> int:
             weights_timeout_s=args.weights_timeout,
             seed=args.seed,
         )
-        model = ModelConfig(path=args.model, dtype=args.dtype)
+        model = ModelConfig(path=args.model, dtype=args.dtype, attn_implementation=args.attn_implementation)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, "stream-rl serve")) from exc
     run(

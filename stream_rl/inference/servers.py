@@ -97,6 +97,8 @@ def launch_for(config: RunConfig, index: int) -> ServerLaunch:
                 config.model.path,
                 "--dtype",
                 config.model.dtype,
+                "--attn-implementation",
+                config.model.attn_implementation,
                 "--host",
                 inf.host,
                 "--port",

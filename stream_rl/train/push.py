@@ -94,10 +94,18 @@ def _engine_sender(config: RunConfig, engine: str, endpoints: list[Any]) -> Weig
         return SGLangWeightSender(
             endpoints, master_addr=addr, master_port=port, timeout_s=timeout_s, pause=pause_policy(config)
         )
-    from stream_rl.weights import WeightSender
+    from stream_rl.weights.transport import make_builtin_sender
 
-    backend = "nccl" if tcfg.device == "cuda" else "gloo"
-    return WeightSender(endpoints, backend=backend, master_addr=addr, master_port=port, timeout_s=timeout_s)
+    # trainer.weight_transport (transport.py): gloo, nccl, cuda_ipc, or auto (per server, by device)
+    sender: WeightPusher = make_builtin_sender(
+        endpoints,
+        transport=tcfg.weight_transport,
+        trainer_device=tcfg.device,
+        master_addr=addr,
+        master_port=port,
+        timeout_s=timeout_s,
+    )
+    return sender
 
 
 class MultiSender:

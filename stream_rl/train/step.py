@@ -33,12 +33,16 @@ from torch import nn
 from stream_rl.config import RunConfig, TrainerConfig
 from stream_rl.contracts import TrainingSample
 from stream_rl.errors import ConfigError
+from stream_rl.modeling import enable_gradient_checkpointing, load_causal_lm
 from stream_rl.rl.logprobs import token_entropy, token_logprobs
 from stream_rl.rl.losses import LossOutput, policy_loss
 from stream_rl.rl.schedule import make_lr_lambda
 from stream_rl.rl.stats import TokenStats
 from stream_rl.train.packing import PackedBatch, pack_samples
-from stream_rl.weights.buckets import DTYPES
+from stream_rl.train.precision import MasterWeights
+
+MASTER_WEIGHTS_FILE = "master_weights.pt"
+"""Checkpoint file of the float32 master weights of a bf16 model (absent for float32 models)."""
 
 
 def configure_determinism(deterministic: bool, seed: int, threads: int) -> None:
@@ -58,19 +62,20 @@ def configure_determinism(deterministic: bool, seed: int, threads: int) -> None:
         torch.use_deterministic_algorithms(True)
 
 
-def load_model(path: str | Path, dtype: str, device: str) -> nn.Module:
-    """The causal LM in `path` (a local HF directory), in eval mode, on `device`."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
+def load_model(
+    path: str | Path, dtype: str, device: str, attn_implementation: str = "sdpa", runs_in: str | None = None
+) -> nn.Module:
+    """The causal LM in `path` (a local HF directory), in eval mode, on `device`, in `dtype` with
+    an untied lm_head kept float32 for bf16/fp16 (`stream_rl.modeling`)."""
     p = Path(path)
     if not (p / "config.json").is_file():
         raise ConfigError(
             f"model.path {path!r} is not a model directory (no config.json); "
             "build one with `stream-rl make-model --preset tiny --out DIR`"
         )
-    model: Any = AutoModelForCausalLM.from_pretrained(str(p), dtype=DTYPES[dtype], attn_implementation="sdpa")
+    model: Any = load_causal_lm(
+        p, dtype=dtype, attn_implementation=attn_implementation, device=device, runs_in=runs_in
+    )
     cfg = model.config
     # The LM head is applied by hand to completion positions only: models whose forward
     # post-processes logits would be scored wrongly.
@@ -79,7 +84,6 @@ def load_model(path: str | Path, dtype: str, device: str) -> nn.Module:
             raise ConfigError(
                 f"model {path}: {attr} is set; the trainer does not support logit post-processing"
             )
-    model.to(device)
     model.eval()
     return model
 
@@ -211,9 +215,14 @@ class PolicyTrainer:
         self.temperature = temperature
         self.device = torch.device(device)
         self.ref_model = ref_model
+        if cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # bf16 parameters are trained through float32 master copies (precision.py): the
+        # optimizer, clipping and the accumulated gradients are float32.
+        self.precision = MasterWeights(self.params)
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+            self.precision.masters, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -242,6 +251,7 @@ class PolicyTrainer:
             # Nothing non-finite may reach the gradients: this micro-batch is dropped, counted.
             return MicroResult(0.0, TokenStats(), packed.real_tokens, packed.padded_tokens, finite=False)
         out.loss.backward()
+        self.precision.accumulate()
         return MicroResult(
             loss=float(out.loss.detach().item()),
             stats=out.stats,
@@ -251,7 +261,7 @@ class PolicyTrainer:
 
     def optimizer_step(self, num_sequences: int) -> StepOutcome:
         """Average the accumulated gradients over `num_sequences`, clip, step AdamW and the schedule."""
-        grads = [p for p in self.params if p.grad is not None]
+        grads = [p for p in self.precision.masters if p.grad is not None]
         if num_sequences > 0:
             for p in grads:
                 assert p.grad is not None
@@ -265,6 +275,7 @@ class PolicyTrainer:
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.precision.publish()
         return StepOutcome(grad_norm=grad_norm, lr=lr, skipped=skipped)
 
     @property
@@ -287,11 +298,16 @@ class PolicyTrainer:
         self.model.save_pretrained(str(directory / "model"))
         torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
         torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
+        if self.precision.mixed:
+            torch.save(self.precision.state_dict(), directory / MASTER_WEIGHTS_FILE)
 
     def load_from(self, directory: Path) -> None:
         """Restore optimizer and scheduler state (the weights were loaded from `directory/model`)."""
         self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
         self.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=True))
+        masters = directory / MASTER_WEIGHTS_FILE
+        if self.precision.mixed and masters.is_file():
+            self.precision.load_state_dict(torch.load(masters, weights_only=True))
 
     def close(self) -> None:
         return None
@@ -307,10 +323,12 @@ def build_trainer(config: RunConfig, weights: str | Path | None = None) -> Train
 
         return build_deepspeed_trainer(config, weights)
     configure_determinism(tcfg.deterministic, tcfg.seed, tcfg.torch_threads)
-    model = load_model(weights if weights is not None else config.model.path, config.model.dtype, tcfg.device)
+    attn = config.model.attn_implementation
+    path = weights if weights is not None else config.model.path
+    model = load_model(path, config.model.dtype, tcfg.device, attn)
     ref = None
     if tcfg.kl_coef > 0:
-        ref = load_model(config.model.path, config.model.dtype, tcfg.device).requires_grad_(False)
+        ref = load_model(config.model.path, config.model.dtype, tcfg.device, attn).requires_grad_(False)
     return PolicyTrainer(
         model, tcfg, temperature=config.actor.sampling.temperature, device=tcfg.device, ref_model=ref
     )

@@ -128,6 +128,8 @@ def test_generation_spanning_an_update_has_two_spans_and_requests_during_it_are_
 class FakeReceiver:
     """Fills the shadow buffers from given tensors, or fails like a broken group."""
 
+    ready = None  # CPU: the bytes are in place when receive returns
+
     def __init__(self, tensors: dict[str, torch.Tensor] | None, **group: Any) -> None:
         self.tensors, self.group, self.closed = tensors, group, False
 
