@@ -175,8 +175,14 @@ down() {
     log "dockerd (pid $pid) stopped"
   else
     cleanup_after "$RUN"
-    rm -f "$PIDFILE" "$SOCK"
     log "no engine of ours runs from $RUN"
+  fi
+  # Runtime state only; its log goes beside the data root, for a look after the fact.
+  [ ! -f "$RUN/dockerd.log" ] || mv "$RUN/dockerd.log" "$STATE/dockerd-last.log"
+  if awk -v a="$RUN/" 'index($5, a) == 1 {found=1} END {exit !found}' /proc/self/mountinfo; then
+    log "warning: mounts remain under $RUN; leaving it"
+  else
+    rm -rf "$RUN"
   fi
 }
 

@@ -21,5 +21,4 @@ RUN set -e; \
     rm -rf /var/lib/apt/lists/*; have_jars
 COPY docker/kafka-log4j2.properties /opt/kafka/config/log4j2.properties
 COPY docker/kafka-run.sh /opt/kafka/bin/run
-VOLUME /var/lib/kafka/data
 ENTRYPOINT ["/opt/kafka/bin/run"]

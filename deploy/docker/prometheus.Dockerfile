@@ -11,6 +11,5 @@ RUN command -v prometheus >/dev/null || { apt-get update && \
 COPY prometheus-docker.yml /etc/prometheus/prometheus.yml
 USER nobody
 EXPOSE 9090
-VOLUME /prometheus
 ENTRYPOINT ["prometheus", "--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/prometheus", \
             "--web.listen-address=:9090"]

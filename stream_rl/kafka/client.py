@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -19,6 +20,17 @@ from stream_rl.kafka.transport import (
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+# A commit refused because the group rebalanced after these records were fetched (a replica joined
+# or left: `docker compose up --scale`). Every caller flushes its outputs before committing, so
+# dropping the commit keeps at least once: whoever owns the partitions now resumes at the last
+# committed offset, and the preprocessor drops the duplicates by rollout id.
+_REBALANCED = (
+    ck.KafkaError.ILLEGAL_GENERATION,
+    ck.KafkaError.UNKNOWN_MEMBER_ID,
+    ck.KafkaError.REBALANCE_IN_PROGRESS,
+)
 
 
 def _fail(what: str, exc: ck.KafkaException) -> KafkaError:
@@ -238,6 +250,8 @@ class KafkaConsumer:
         return out
 
     def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
+        """Commit synchronously; a commit the group's rebalance refused is dropped with a warning
+        (see `_REBALANCED`), any other failure raises KafkaError."""
         if not offsets:
             return
         try:
@@ -245,6 +259,12 @@ class KafkaConsumer:
                 offsets=[ck.TopicPartition(t, p, o) for (t, p), o in offsets.items()], asynchronous=False
             )
         except ck.KafkaException as exc:
+            err = exc.args[0] if exc.args else None
+            if isinstance(err, ck.KafkaError) and err.code() in _REBALANCED:
+                log.warning(
+                    "commit dropped, the group rebalanced meanwhile (%s): records may be redone", err.str()
+                )
+                return
             raise _fail("commit", exc) from exc
 
     def committed(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int]:

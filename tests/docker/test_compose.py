@@ -55,6 +55,7 @@ class DemoRun:
     batches: list[TrainingBatch] = field(default_factory=list)
     trained_ids: list[str] = field(default_factory=list)
     actors: set[str] = field(default_factory=set)
+    stages: list[dict[str, str]] = field(default_factory=list)
     status: str = ""
     prometheus_up: dict[str, int] = field(default_factory=dict)
 
@@ -140,7 +141,9 @@ def demo(stack: Compose, engine: Engine) -> DemoRun:
         lambda: len([c for c in stack.containers("actor") if c["state"] == "running"]) == 3,
         120,
     )
+    started = time.monotonic()
     out.status = stack("run", "--rm", "trainer", "status", "--run", RUN, "--once", timeout=120)
+    out.timings["compose run trainer status"] = time.monotonic() - started
     out.prometheus_up = wait_for(
         "Prometheus scraping 3 actors and 2 verifiers",
         lambda: (up := _prometheus_up(stack)).get("actor") == 3 and up.get("verifier") == 2 and up,
@@ -166,6 +169,7 @@ def demo(stack: Compose, engine: Engine) -> DemoRun:
 
     wait_for("the run to drain", drained, timeout=300, every=1)
     out.actors = {r.actor_id for r in topics.raw()}
+    out.stages = [c for service in ("actor", "verifier", "preprocessor") for c in stack.containers(service)]
     out.scored = topics.scored()
     out.batches = topics.batches()
     final = read_weight_versions(topics.kafka, topics.names)[-1]
@@ -201,6 +205,7 @@ def test_compose_up_learns(demo: DemoRun) -> None:
 
 
 def test_scaled_stages_rebalance_and_every_sample_is_trained_exactly_once(demo: DemoRun) -> None:
+    assert [c["state"] for c in demo.stages] == ["running"] * 6, demo.stages  # none died rebalancing
     assert len(demo.actors) == 3, demo.actors  # the first actor and the two added
     assert len({s.verifier_id for s in demo.scored}) == 2
     packed = Counter(s.rollout_id for b in demo.batches for s in b.samples)

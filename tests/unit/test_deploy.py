@@ -147,7 +147,11 @@ def test_services_agree_with_the_docker_config() -> None:
     assert cfg.trainer.sync_master_addr in SERVICES and cfg.trainer.sync_master_addr == "trainer"
     # One model path: built by init, served, trained; on the shared volume.
     make_model = args_of("init", "make-model")
-    assert cfg.model.path == serve.model == make_model.out == "/models/tiny-arith"
+    assert cfg.model.path == serve.model == "/models/tiny-arith"
+    # Made aside and renamed when complete, so an interrupted `init` does not leave half a model.
+    init_script = " ".join(SERVICES["init"]["command"])
+    assert f"test -d {cfg.model.path} ||" in init_script
+    assert f"mv {make_model.out} {cfg.model.path}" in init_script
     assert make_model.warm_start == "arithmetic"
     assert any(v.endswith(":/models") for v in SERVICES["server"]["volumes"])
     assert args_of("init", "topics").action == "apply"
