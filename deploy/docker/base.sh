@@ -6,7 +6,8 @@
 #   deploy/docker/base.sh > .env        # then: docker compose up
 #
 # 1. A Debian bookworm root file system made with debootstrap, holding Python 3.11 (+ venv),
-#    OpenJDK 17 and Prometheus from Debian; cached as a tarball in $CACHE/docker/base/ and imported
+#    OpenJDK 17 and Prometheus from Debian; cached as a tarball in $CACHE/docker/base/ (so that an
+#    engine whose data root was lost imports it again instead of running debootstrap) and imported
 #    as stream-rl-base:<key> (the Kafka and Prometheus images' base).
 # 2. stream-rl-python:<key>: that base plus /opt/venv holding the project's dependencies, installed
 #    offline from the uv cache at the versions .venv holds (so the image runs what the tests ran),
@@ -43,7 +44,7 @@ mkdir -p "$BASE_DIR"
 base_key=$(printf '%s %s %s\n' "$SUITE" "$PACKAGES" "$RECIPE" | key_of)
 base_tar=$BASE_DIR/$SUITE-$base_key.tar
 base_image=stream-rl-base:$SUITE-$base_key
-if [ ! -f "$base_tar" ]; then
+if ! docker image inspect "$base_image" >/dev/null 2>&1 && [ ! -f "$base_tar" ]; then
   command -v debootstrap >/dev/null || die "debootstrap not found (deploy/docker/install.sh installs it)"
   [ "$(id -u)" = 0 ] || die "debootstrap needs root"
   root=$(mktemp -d "$BASE_DIR/rootfs.XXXXXX")
@@ -61,7 +62,7 @@ if [ ! -f "$base_tar" ]; then
   log "root file system made in $((SECONDS - start)) s: $base_tar ($(du -h "$base_tar" | cut -f1))"
 fi
 for old in "$BASE_DIR"/"$SUITE"-*.tar; do
-  [ "$old" = "$base_tar" ] || { log "removing stale $old"; rm -f "$old"; }
+  [ ! -f "$old" ] || [ "$old" = "$base_tar" ] || { log "removing stale $old"; rm -f "$old"; }
 done
 if ! docker image inspect "$base_image" >/dev/null 2>&1; then
   log "importing $base_image ..."

@@ -111,6 +111,27 @@ record_networks() {
   DOCKER_HOST=unix://$SOCK docker network ls -q --no-trunc --filter driver=bridge >"$RUN/networks" 2>/dev/null || true
 }
 
+# Start dockerd in the background; print its pid once it answers (fail if it exits or stays silent).
+start_dockerd() {
+  local pid
+  log "starting dockerd (data root $DATA, run dir $RUN, log $RUN/dockerd.log)"
+  # 9>&-: the lock stays with this script, not with dockerd and its children.
+  setsid dockerd \
+    --data-root "$DATA" --exec-root "$RUN/exec" -H "unix://$SOCK" --pidfile "$PIDFILE" \
+    --bridge none --iptables=false --ip6tables=false --ip-forward=false --ip-masq=false \
+    --default-address-pool "base=$POOL,size=24" --cgroup-parent "/$(cgroup_of "$RUN")" \
+    --storage-driver overlay2 --log-level warn --config-file "$RUN/daemon.json" \
+    </dev/null >"$RUN/dockerd.log" 2>&1 9>&- &
+  pid=$!
+  for _ in $(seq 600); do
+    if answers; then echo "$pid"; return 0; fi
+    alive "$pid" || return 1
+    sleep 0.1
+  done
+  stop_engine "$RUN" "$pid"
+  return 1
+}
+
 up() {
   command -v dockerd >/dev/null || die "dockerd not found (deploy/docker/install.sh installs Debian's docker.io)"
   mkdir -p "$STATE" "$RUN"
@@ -144,22 +165,16 @@ up() {
   mkdir -p "$DATA" "$RUN/exec"
   # Its identity key in our state dir, not in /etc/docker (there is no command line flag for it).
   printf '{"deprecated-key-path": "%s"}\n' "$STATE/key.json" >"$RUN/daemon.json"
-  log "starting dockerd (data root $DATA, run dir $RUN, log $RUN/dockerd.log)"
-  # 9>&-: the lock stays with this script, not with dockerd and its children.
-  setsid dockerd \
-    --data-root "$DATA" --exec-root "$RUN/exec" -H "unix://$SOCK" --pidfile "$PIDFILE" \
-    --bridge none --iptables=false --ip6tables=false --ip-forward=false --ip-masq=false \
-    --default-address-pool "base=$POOL,size=24" --cgroup-parent "/$(cgroup_of "$RUN")" \
-    --storage-driver overlay2 --log-level warn --config-file "$RUN/daemon.json" \
-    </dev/null >"$RUN/dockerd.log" 2>&1 9>&- &
-  pid=$!
-  for _ in $(seq 600); do
-    answers && break
-    alive "$pid" || { flock -u 9; die "dockerd exited while starting; last lines of $RUN/dockerd.log:
+  if ! pid=$(start_dockerd); then
+    # A data root a crash left unusable is only a cache: start over with an empty one, once.
+    log "dockerd failed to start on $DATA; last lines of its log:"
+    tail -n 5 "$RUN/dockerd.log" >&2
+    log "moving the data root aside and starting on an empty one (a cold cache)"
+    cleanup_after "$RUN"
+    mv "$DATA" "$DATA.broken.$$" && rm -rf "$DATA.broken.$$" && mkdir -p "$DATA"
+    pid=$(start_dockerd) || { flock -u 9; die "dockerd failed to start; see $RUN/dockerd.log:
 $(tail -n 15 "$RUN/dockerd.log")"; }
-    sleep 0.1
-  done
-  answers || { stop_engine "$RUN" "$pid"; flock -u 9; die "dockerd did not answer within 60 s; see $RUN/dockerd.log"; }
+  fi
   echo "$pid $RUN" >"$OWNER"
   flock -u 9
   log "dockerd up (pid $pid, $(DOCKER_HOST=unix://$SOCK docker version --format '{{.Server.Version}}'))"
