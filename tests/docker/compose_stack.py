@@ -95,6 +95,7 @@ class Compose:
 
     def __init__(self, env: dict[str, str], bases: dict[str, str]) -> None:
         self.timings: dict[str, float] = {}
+        self.taken_down = False
         self.kafka_port = free_port()
         self.prometheus_port = free_port()
         self.env = {

@@ -83,12 +83,20 @@ def stack(engine: Engine) -> Iterator[Compose]:
     try:
         yield compose
     finally:
-        compose("down", "-v", "--remove-orphans", "--timeout", "30", check=False)
-        # Layers no image uses any more (older builds of the project); the models of older code.
-        compose.docker("image", "prune", "-f", check=False)
-        for volume in compose.docker("volume", "ls", "-q", "--filter", "name=stream-rl-ci-models-").split():
-            if volume != models_volume():
-                compose.docker("volume", "rm", volume, check=False)
+        _take_down(compose)
+
+
+def _take_down(compose: Compose) -> None:
+    """Containers, network and the run's volumes; then what the cache need not keep: layers no
+    image uses any more (older builds of the project) and the models of older code."""
+    if compose.taken_down:
+        return
+    compose("down", "-v", "--remove-orphans", "--timeout", "30", check=False)
+    compose.docker("image", "prune", "-f", check=False)
+    for volume in compose.docker("volume", "ls", "-q", "--filter", "name=stream-rl-ci-models-").split():
+        if volume != models_volume():
+            compose.docker("volume", "rm", volume, check=False)
+    compose.taken_down = True
 
 
 def test_images_build_from_the_cached_base(stack: Compose) -> None:
@@ -248,6 +256,7 @@ def test_down_then_up_keeps_the_topics(stack: Compose, demo: DemoRun) -> None:
 
 
 def test_the_engine_leaves_nothing_behind(engine: Engine, stack: Compose) -> None:
-    stack("down", "-v", "--remove-orphans", "--timeout", "30")
+    _take_down(stack)
+    assert not stack("ps", "-a", "-q")
     engine.down()
     assert host_network_state() == engine.before
