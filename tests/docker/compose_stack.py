@@ -168,6 +168,17 @@ class Topics:
     def scored(self) -> list[ScoredRollout]:
         return self._read(SCORED, ScoredRollout)
 
+    def scored_at(self) -> list[tuple[int, int, ScoredRollout]]:
+        """(partition, offset, record) of every `scored` record."""
+        return [
+            (m.partition, m.offset, self.serde.decode(m.value, ScoredRollout))
+            for m in read_to_end(self.kafka, self.names[SCORED], timeout_s=120)
+        ]
+
+    def committed(self, role: str, topic: str) -> dict[int, int]:
+        """The role's consumer group's committed offsets on `topic` (-1 where none)."""
+        return dict(self.kafka.group_offsets(self.names.group(role), self.names[topic]))
+
     def batches(self) -> list[TrainingBatch]:
         return self._read(TRAINING_BATCHES, TrainingBatch)
 
