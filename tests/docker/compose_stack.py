@@ -182,6 +182,11 @@ class Topics:
     def batches(self) -> list[TrainingBatch]:
         return self._read(TRAINING_BATCHES, TrainingBatch)
 
+    def close(self) -> None:
+        """Drop the admin client, whose librdkafka handle would otherwise retry a broker that is
+        gone for as long as the test process lives (an error's traceback keeps this object)."""
+        self.kafka._admin = None
+
     def end_offsets(self, topic: str) -> int:
         return sum(high for _low, high in self.kafka.watermarks(self.names[topic]).values())
 

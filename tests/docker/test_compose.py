@@ -139,6 +139,13 @@ def _prometheus_up(stack: Compose) -> dict[str, int]:
 def demo(stack: Compose, engine: Engine) -> DemoRun:
     out = DemoRun(timings=stack.timings)
     topics = Topics(stack.bootstrap, RUN)
+    try:
+        return _run_the_demo(stack, engine, topics, out)
+    finally:
+        topics.close()
+
+
+def _run_the_demo(stack: Compose, engine: Engine, topics: Topics, out: DemoRun) -> DemoRun:
     start = time.monotonic()
     stack("up", "-d")
     engine.record_networks()
@@ -265,13 +272,16 @@ def test_prometheus_scrapes_every_stage(demo: DemoRun) -> None:
 
 def test_down_then_up_keeps_the_topics(stack: Compose, demo: DemoRun) -> None:
     topics = Topics(stack.bootstrap, RUN)
-    before = {t: topics.end_offsets(t) for t in (RAW_ROLLOUTS, SCORED)}
-    stack("down", "--timeout", "30")
-    assert not stack("ps", "-q")
-    stack("up", "-d", "--wait", "kafka", timeout=300)
-    assert {t: topics.end_offsets(t) for t in before} == before
-    assert len(topics.scored()) == len(demo.scored)
-    stack("down", "--timeout", "30")
+    try:
+        before = {t: topics.end_offsets(t) for t in (RAW_ROLLOUTS, SCORED)}
+        stack("down", "--timeout", "30")
+        assert not stack("ps", "-q")
+        stack("up", "-d", "--wait", "kafka", timeout=300)
+        assert {t: topics.end_offsets(t) for t in before} == before
+        assert len(topics.scored()) == len(demo.scored)
+        stack("down", "--timeout", "30")
+    finally:
+        topics.close()
 
 
 def test_the_engine_leaves_nothing_behind(engine: Engine, stack: Compose) -> None:
