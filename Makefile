@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 UV := $(shell command -v uv 2>/dev/null || echo $(CACHE)/tools/bin/uv)
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 
-.PHONY: setup vllm test lint typecheck pytest demo model clean-venv
+.PHONY: setup vllm test lint typecheck pytest docker-tools demo model clean-venv
 
 setup: $(STAMP)
 	@$(PY) -m stream_rl.cli kafka fetch --quiet
@@ -50,7 +50,11 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
-pytest: setup vllm
+# The `docker` tests' tools: Debian's docker.io and debootstrap, Compose v2 (built once, cached).
+docker-tools:
+	@deploy/docker/install.sh
+
+pytest: setup vllm docker-tools
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 test: setup vllm lint typecheck pytest

@@ -31,6 +31,17 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 DEFAULT_COMPRESSION = "zstd"
 log = logging.getLogger("stream_rl.kafka")
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+# A commit refused because the group rebalanced after these records were fetched (a replica joined
+# or left: `docker compose up --scale`). Every caller flushes its outputs before committing, so
+# dropping the commit keeps at least once: whoever owns the partitions now resumes at the last
+# committed offset, and the preprocessor drops the duplicates by rollout id.
+_REBALANCED = (
+    ck.KafkaError.ILLEGAL_GENERATION,
+    ck.KafkaError.UNKNOWN_MEMBER_ID,
+    ck.KafkaError.REBALANCE_IN_PROGRESS,
+)
 
 
 def _fail(what: str, exc: ck.KafkaException) -> KafkaError:
@@ -373,10 +384,22 @@ class KafkaConsumer:
         return out
 
     def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
+        """Commit synchronously; a commit the group's rebalance refused is dropped with a warning
+        (see `_REBALANCED`), any other failure raises KafkaError."""
         if not offsets:
             return
         tps = [ck.TopicPartition(t, p, o) for (t, p), o in offsets.items()]
-        retry(lambda: self._c.commit(offsets=tps, asynchronous=False), "commit", self.outage_s, _fail)
+        try:
+            retry(lambda: self._c.commit(offsets=tps, asynchronous=False), "commit", self.outage_s, _fail)
+        except KafkaError as exc:
+            cause = exc.__cause__
+            err = cause.args[0] if isinstance(cause, ck.KafkaException) and cause.args else None
+            if isinstance(err, ck.KafkaError) and err.code() in _REBALANCED:
+                log.warning(
+                    "commit dropped, the group rebalanced meanwhile (%s): records may be redone", err.str()
+                )
+                return
+            raise
 
     def committed(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int]:
         if not partitions:
