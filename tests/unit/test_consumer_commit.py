@@ -30,6 +30,7 @@ def consumer_refusing(code: int) -> tuple[KafkaConsumer, RefusingConsumer]:
     consumer = object.__new__(KafkaConsumer)  # no librdkafka client: the refusal is all we need
     fake = RefusingConsumer(code)
     consumer._c = fake  # type: ignore[assignment]
+    consumer.outage_s = 0.3  # transient refusals are retried this long (kafka.outage_timeout_s)
     return consumer, fake
 
 

@@ -370,7 +370,10 @@ def test_the_run_summary_line_survives_a_run_without_rewards(capsys) -> None:  #
     from stream_rl.launch import _print_summary
 
     _print_summary({"exit_reason": "stopped", "wall_s": None, "reward": {"first3_mean": None}}, Path("r"))
-    assert "reward - -> -" in capsys.readouterr().out
+    assert "no version trained by this invocation" in capsys.readouterr().out
+    trained = {"count": 2, "first": 1, "last": 2}
+    _print_summary({"exit_reason": "stopped", "versions": trained, "reward": {"first3_mean": None}}, Path("r"))
+    assert "trained versions 1-2, reward - -> -" in capsys.readouterr().out
 
 
 def test_a_transaction_call_that_never_returns_wedges_the_producer_instead_of_hanging(monkeypatch) -> None:  # type: ignore[no-untyped-def]

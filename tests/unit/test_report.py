@@ -62,7 +62,7 @@ def test_summary_figures() -> None:
     assert s["resumed_from"] is None
     assert s["reward"]["first3_mean"] == pytest.approx(0.2)  # versions 1..3, the first record of v1 wins
     assert s["reward"]["last3_mean"] == pytest.approx(0.9)
-    assert s["version_lag"] == {"mean": 0.5, "max": 1}
+    assert s["version_lag"] == {"mean": 0.5, "max": 1, "samples_over_bound": 0}
     assert s["throughput"]["actor_records_per_s"] == pytest.approx(1000 / 20)
     assert s["throughput"]["trainer_samples_per_s"] == pytest.approx(64 * 9 / 18)
     assert s["broker_lag"]["verifier"]["max"] == 2
