@@ -372,7 +372,9 @@ def test_the_run_summary_line_survives_a_run_without_rewards(capsys) -> None:  #
     _print_summary({"exit_reason": "stopped", "wall_s": None, "reward": {"first3_mean": None}}, Path("r"))
     assert "no version trained by this invocation" in capsys.readouterr().out
     trained = {"count": 2, "first": 1, "last": 2}
-    _print_summary({"exit_reason": "stopped", "versions": trained, "reward": {"first3_mean": None}}, Path("r"))
+    _print_summary(
+        {"exit_reason": "stopped", "versions": trained, "reward": {"first3_mean": None}}, Path("r")
+    )
     assert "trained versions 1-2, reward - -> -" in capsys.readouterr().out
 
 
