@@ -166,6 +166,27 @@ class TrainerStage:
             tm.SERVER_FAILURES.inc()
         return checksum, report
 
+    def _rejoin_while_idle(self) -> None:
+        """Re-join servers that came back while no step completes, and push them the current
+        version now. A restarted server holds its initial weights; the actors route to no server
+        older than the bound, so with every server dropped no sample comes, no step completes, and
+        a re-join left to the next push would never happen (the run would wait for good)."""
+        if self.pusher is None or time.monotonic() - self._last_connect < RECONNECT_EVERY_S:
+            return
+        self._last_connect = time.monotonic()
+        if not rejoin_dropped(self.pusher, self.config.inference.server_urls()):
+            return
+        version = self.state.version
+        with self.trainer.full_weights() as named:
+            report = self.pusher.push(version, named, self.bucket_bytes)
+        for url, why in report.failed.items():
+            log.warning("server %s dropped again at version %d: %s", url, version, why)
+            tm.SERVER_FAILURES.inc()
+        if report.per_server:
+            log.info(
+                "version %d pushed to re-joined server(s) %s", version, ", ".join(sorted(report.per_server))
+            )
+
     def _publish(
         self,
         kind: WeightVersionKind,
@@ -389,6 +410,7 @@ class TrainerStage:
                     if idle_timeout_s is not None and time.monotonic() - last_input >= idle_timeout_s:
                         self.stats.stopped_by = "idle_timeout"
                         return
+                    self._rejoin_while_idle()
                     continue
                 buffer.extend(msgs)
                 last_input = time.monotonic()

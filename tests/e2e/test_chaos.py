@@ -221,11 +221,6 @@ def test_no_sample_trained_twice_and_groups_whole(chaos: dict[str, Any]) -> None
     assert set(sizes.values()) == {GROUP}
 
 
-@pytest.mark.xfail(
-    reason="issue 15 item 2 (the lead's): a restarted server serves its initial weights and its samples "
-    "are trained far beyond max_lag until the trainer re-joins it",
-    strict=False,
-)
 def test_every_trained_sample_within_the_lag_bound(chaos: dict[str, Any]) -> None:
     lags = [
         v - min(sp["version"] for sp in s["version_spans"]) for v, s in _trained(chaos) if s["version_spans"]

@@ -88,17 +88,18 @@ def push(sender: VLLMWeightSender, version: int, model: torch.nn.Module, pause: 
     assert report.per_server[sender.live_servers[0]]["stall_ms"] > 0
 
 
-def greedy(model: torch.nn.Module, prefix: list[int], n: int) -> list[int]:
+def assert_greedy(model: torch.nn.Module, prefix: list[int], tokens: list[int], atol: float = 1e-3) -> None:
+    """Every token of `tokens` is `model`'s greedy choice after `prefix` and the tokens before it,
+    within `atol` of the best log-probability (teacher-forced: vLLM's CPU kernels and transformers'
+    differ in the last bits, which can flip a near tie of the perturbed models; after a flip, plain
+    greedy decoding with transformers would diverge for good while each choice is still right)."""
+    assert tokens, "no tokens"
     with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prefix]),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            top_k=None,
-            top_p=None,
-        )
-    return [int(t) for t in out[0, len(prefix) :]]
+        logits = model(torch.tensor([prefix + tokens])).logits[0, len(prefix) - 1 : -1].float()
+    logprobs = logits.log_softmax(-1)
+    gap = logprobs.max(-1).values - logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    worse = [(i, round(float(g), 4)) for i, g in enumerate(gap) if g > atol]
+    assert not worse, f"not the greedy choice at (index, logprob gap) {worse[:5]} of {len(tokens)}"
 
 
 def test_the_official_openai_client_works_unchanged(server: Any) -> None:
@@ -190,20 +191,20 @@ def _render(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
 def test_an_update_lands_in_the_middle_of_a_long_generation(
     server: Any, sender: VLLMWeightSender, pause: str
 ) -> None:
-    old_v, new_v = next_version(), next_version()
     old, new = perturbed(server.model, seed=2), perturbed(server.model, seed=3)
-    push(sender, old_v, old)
     prompt = [4, 57, 61, 49, 58, 59, 67, 1, 5]
     length = 300
     body = _render(server.url, prompt, length)
 
-    async def scenario() -> tuple[tuple[list[int], list[dict[str, Any]], str], list[Any]]:
+    async def scenario(new_v: int) -> tuple[tuple[list[int], list[dict[str, Any]], str], list[Any]]:
         seen: list[int] = []
         stream = asyncio.create_task(_stream(server.url, body, seen))
         async with VLLMClient(server.url) as client:
+            # Other requests in the batch: they must survive the update, and they keep the engine
+            # busy so that the long sequence is still running when the update pauses it.
             others = [
-                asyncio.create_task(client.complete_many(prompt, SamplingConfig(max_tokens=24), n=2, seed=i))
-                for i in range(3)
+                asyncio.create_task(client.complete_many(prompt, SamplingConfig(max_tokens=160), n=4, seed=i))
+                for i in range(6)
             ]
             while len(seen) < 40:
                 await asyncio.sleep(0.005)
@@ -211,16 +212,24 @@ def test_an_update_lands_in_the_middle_of_a_long_generation(
             await asyncio.to_thread(push, sender, new_v, new, pause)
             return await stream, await asyncio.gather(*others)
 
-    (tokens, versions, finish), others = run(scenario())
+    for _attempt in range(3):
+        old_v, new_v = next_version(), next_version()
+        push(sender, old_v, old)
+        (tokens, versions, finish), others = run(scenario(new_v))
+        if len(versions) > 1:
+            break
+        # The engine finished the sequence before the update paused it (the stream's reader runs
+        # behind the engine on a loaded machine): the spans say so; try again.
+        assert versions == [{"version": str(old_v), "start": 0, "end": length}], versions
     assert finish == "length" and len(tokens) == length
     assert [v["version"] for v in versions] == [str(old_v), str(new_v)], versions
     swap = versions[1]["start"]
     assert versions[0] == {"version": str(old_v), "start": 0, "end": swap}
     assert 40 <= swap < length and versions[1]["end"] == length
-    assert tokens[:swap] == greedy(old, prompt, swap)
+    assert_greedy(old, prompt, tokens[:swap])
     if pause == "recompute":  # the running sequence was recomputed with the new weights
-        assert tokens[swap:] == greedy(new, prompt + tokens[:swap], length - swap)
-    assert all(len(group) == 2 and all(c.token_ids for c in group) for group in others)  # none lost
+        assert_greedy(new, prompt + tokens[:swap], tokens[swap:])
+    assert all(len(group) == 4 and all(c.token_ids for c in group) for group in others)  # none lost
 
 
 def test_a_trainer_killed_mid_update_leaves_a_usable_server(
@@ -269,7 +278,8 @@ def test_a_trainer_killed_mid_update_leaves_a_usable_server(
 
         completion = run(check())
         assert completion.version_spans == [VersionSpan(after, 0)]
-        assert completion.token_ids == greedy(new, [4, 9, 13], 8, ignore_eos=False)
+        assert len(completion.token_ids) <= 8
+        assert_greedy(new, [4, 9, 13], completion.token_ids)
     finally:
         fresh.close()
 

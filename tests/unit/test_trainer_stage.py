@@ -196,3 +196,33 @@ def test_sigterm_checkpoints_the_last_step_and_commits(tmp_path: Path, model_dir
     assert "stream_rl_trainer_version 2.0" in text
     assert 'stream_rl_trainer_step{metric="grad_norm"}' in text
     assert "stream_rl_trainer_version_lag_bucket" in text
+
+
+def test_a_server_back_while_no_step_completes_gets_the_current_version_at_once(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The chaos run's deadlock: the only server restarted with its initial weights, the actors
+    # route to no server older than the bound, so no sample (hence no step) comes until it holds
+    # the current version: the trainer must push it while idle, not at the next step.
+    transport = MemoryTransport()
+    setup_topics(transport, "r1", [])
+    pusher = FakePusher(drop_at=0)  # b drops at the first push
+    rejoined: list[str] = []
+
+    def rejoin(p: FakePusher, urls: list[str]) -> bool:
+        if "http://b:2" in p.live_servers:
+            return False
+        p.live.append("http://b:2")
+        p.drop_at = None  # back for good
+        rejoined.append("http://b:2")
+        return True
+
+    monkeypatch.setattr(trainer_stage, "rejoin_dropped", rejoin)
+    monkeypatch.setattr(trainer_stage, "RECONNECT_EVERY_S", 0.0)
+    stats = trainer_stage.run(
+        make_config(tmp_path, model_dir, max_steps=3), transport, pusher=pusher, idle_timeout_s=1
+    )
+    assert stats.version == 0 and stats.stopped_by == "idle_timeout"
+    assert rejoined == ["http://b:2"]  # once: after that it is live
+    assert [v for v, _ in pusher.pushed] == [0, 0]  # the first push, then the re-joined server's
+    assert pusher.pushed[0][1] == pusher.pushed[1][1]
