@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from stream_rl.cli import add_common
-from stream_rl.config import DEFAULT_PREFIX, load_config
+from stream_rl.config import DEFAULT_PREFIX, KafkaConfig, load_config
 from stream_rl.errors import StreamRLError
 from stream_rl.kafka.broker import KAFKA_VERSION, LocalBroker, fetch_jars, resolve_bootstrap
 from stream_rl.kafka.topics import TopicNames, apply_topics, publish_schemas
@@ -34,14 +34,16 @@ def main_kafka(args: argparse.Namespace) -> int:
     return 0
 
 
-def _names(args: argparse.Namespace) -> tuple[TopicNames, str, int | None]:
+def _names(args: argparse.Namespace) -> tuple[TopicNames, str, KafkaConfig]:
+    """The run's topic names, bootstrap and Kafka config (defaults without --config/--set)."""
     cfg = load_config(args.config, args.overrides) if args.config or args.overrides else None
     run = args.run or (cfg.run if cfg else None)
     if not run:
         raise StreamRLError("which run? pass --run R (or --config with a `run:` name)")
-    prefix = args.prefix or (cfg.kafka.prefix if cfg else DEFAULT_PREFIX)
-    bootstrap = resolve_bootstrap(args.bootstrap, cfg.kafka.bootstrap if cfg else None)
-    return TopicNames(run=run, prefix=prefix), bootstrap, (cfg.kafka.partitions if cfg else None)
+    kafka = cfg.kafka if cfg else KafkaConfig()
+    prefix = args.prefix or kafka.prefix
+    bootstrap = resolve_bootstrap(args.bootstrap, kafka.bootstrap)
+    return TopicNames(run=run, prefix=prefix), bootstrap, kafka
 
 
 def add_topics_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,15 +67,21 @@ def main_topics(args: argparse.Namespace) -> int:
         print(topology_markdown())
         return 0
     if args.action == "list" and not args.run and not args.config:
-        transport = KafkaTransport(resolve_bootstrap(args.bootstrap))
+        transport = KafkaTransport.for_config(KafkaConfig(), resolve_bootstrap(args.bootstrap))
         prefix = (args.prefix or DEFAULT_PREFIX) + "."
         _print_counts(transport, [t for t in transport.list_topic_names() if t.startswith(prefix)])
         return 0
-    names, bootstrap, partitions = _names(args)
-    transport = KafkaTransport(bootstrap)
+    names, bootstrap, kcfg = _names(args)
+    transport = KafkaTransport.for_config(kcfg, bootstrap)
     transport.check_reachable()
     if args.action == "apply":
-        report = apply_topics(transport, names, args.partitions or partitions)
+        report = apply_topics(
+            transport,
+            names,
+            args.partitions or kcfg.partitions,
+            replication_factor=kcfg.replication_factor,
+            min_insync_replicas=kcfg.min_insync_replicas,
+        )
         n = publish_schemas(transport, names)
         print(
             f"run {names.run} on {bootstrap}: {len(report.created)} topics created, "
@@ -123,8 +131,8 @@ def main_lag(args: argparse.Namespace) -> int:
     from stream_rl.kafka.client import KafkaTransport
     from stream_rl.kafka.lag import format_lags, run_lags
 
-    names, bootstrap, _ = _names(args)
-    kafka = KafkaTransport(bootstrap)
+    names, bootstrap, kcfg = _names(args)
+    kafka = KafkaTransport.for_config(kcfg, bootstrap)
     kafka.check_reachable()
     if args.serve_metrics is None:
         print(format_lags(run_lags(kafka, names, with_age=not args.no_age)))
