@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from stream_rl.errors import BrokerError
+from stream_rl.kafka.listener import SaslSslListener
 
 KAFKA_VERSION = "4.3.1"
 DEPLOY_DIR = Path(__file__).resolve().parents[2] / "deploy" / "kafka"
@@ -163,11 +164,14 @@ class LocalBroker:
         port: int = 9092,
         host: str = "127.0.0.1",
         version: str = KAFKA_VERSION,
+        listener: SaslSslListener | None = None,
     ) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.port = port
         self.host = host
         self.version = version
+        self.listener = listener
+        """A SASL_SSL client listener besides the PLAINTEXT one (`stream_rl/kafka/listener.py`)."""
 
     @property
     def state_file(self) -> Path:
@@ -202,8 +206,12 @@ class LocalBroker:
             controller_port=controller_port,
             log_dir=self.data_dir / "kraft-logs",
         )
+        if self.listener is not None:
+            props = _with_listener(props, self.listener, self.host, self.port, controller_port)
         path = self.data_dir / "server.properties"
         path.write_text(props)
+        if self.listener is not None:
+            path.chmod(0o600)  # it holds the SASL users' passwords and the keystore's
         return path
 
     def _java(self) -> list[str]:
@@ -227,6 +235,10 @@ class LocalBroker:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if not port_is_free(self.port, self.host):
             raise BrokerError(f"port {self.port} is taken by another process; choose another with --port")
+        if self.listener is not None and not port_is_free(self.listener.port, self.host):
+            raise BrokerError(
+                f"port {self.listener.port} (the SASL_SSL listener's) is taken by another process"
+            )
         old = self.state()
         controller_port = old.controller_port if old else free_port()
         if not port_is_free(controller_port):
@@ -319,6 +331,19 @@ class LocalBroker:
             return f"stopped (last ran as pid {st.pid} at {st.bootstrap}); data in {self.data_dir}"
         answering = "answering" if _answers(st.bootstrap) else "NOT answering"
         return f"running: pid {st.pid} at {st.bootstrap}, {answering}; Kafka {st.version}; data in {self.data_dir}"
+
+
+def _with_listener(props: str, listener: SaslSslListener, host: str, port: int, controller_port: int) -> str:
+    """The template's properties with a SASL_SSL listener added (its keys replace the template's)."""
+    controller = f"CONTROLLER://127.0.0.1:{controller_port}"
+    overrides = {
+        "listeners": f"PLAINTEXT://127.0.0.1:{port},SASL_SSL://{host}:{listener.port},{controller}",
+        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port},SASL_SSL://{host}:{listener.port},{controller}",
+        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,SASL_SSL:SASL_SSL",
+        **listener.server_properties(host),
+    }
+    lines = [ln for ln in props.splitlines() if ln.split("=", 1)[0] not in overrides]
+    return "\n".join([*lines, *(f"{k}={v}" for k, v in overrides.items())]) + "\n"
 
 
 def _reap(pid: int) -> None:

@@ -57,8 +57,39 @@ def client_conf(properties: Properties | None) -> dict[str, str]:
     return {k: v.get_secret_value() if isinstance(v, SecretStr) else v for k, v in (properties or {}).items()}
 
 
+C = TypeVar("C")
+
+
+def build_client(cls: Callable[[dict[str, Any]], C], conf: dict[str, Any]) -> C:
+    """A librdkafka client, or a one-line KafkaError when librdkafka refuses its configuration
+    (an unknown property, SASL without a username...): that is a mistake in kafka.client_properties."""
+    try:
+        return cls(conf)
+    except ck.KafkaException as exc:
+        err = exc.args[0] if exc.args else exc
+        message = err.str() if isinstance(err, ck.KafkaError) else str(err)
+        raise KafkaError(
+            f"Kafka client configuration refused: {message} (check kafka.client_properties)"
+        ) from exc
+
+
 def _fail(what: str, exc: ck.KafkaException) -> KafkaError:
     return KafkaError(f"{what}: {exc.args[0] if exc.args else exc}")
+
+
+class _ProbeLog(logging.Logger):
+    """librdkafka's log lines of `check_reachable`, kept to explain a failure, never printed."""
+
+    def __init__(self) -> None:
+        super().__init__("stream_rl.kafka.probe")
+        self.propagate = False
+        self.closed_before_answering = False
+
+    def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
+        # A listener that wants TLS (or SASL) drops a plaintext client during its first request.
+        text = str(msg) % args if args else str(msg)
+        if "Disconnected" in text and "APIVERSION_QUERY" in text:
+            self.closed_before_answering = True
 
 
 _AUTH_ERRORS = (ck.KafkaError._AUTHENTICATION, ck.KafkaError.SASL_AUTHENTICATION_FAILED)
@@ -72,28 +103,41 @@ def check_reachable(
     fails at once, naming the problem; a TLS or protocol mismatch names librdkafka's last error."""
     timeout = reachable_wait_s() if timeout is None else timeout
     errors: list[ck.KafkaError] = []
+    probe = _ProbeLog()
     conf: dict[str, Any] = {
         "bootstrap.servers": bootstrap,
-        "log_level": 0,
+        "logger": probe,  # kept, not printed: connection-refused noise is expected while a broker starts
         "socket.connection.setup.timeout.ms": 3000,
         "error_cb": errors.append,
     }
-    admin = AdminClient({**conf, **client_conf(properties)})
+    admin = build_client(AdminClient, {**conf, **client_conf(properties)})
     deadline = time.monotonic() + timeout
     while True:
         try:
-            if admin.list_topics(timeout=min(2.0, max(deadline - time.monotonic(), 0.1))).brokers:
+            if admin.list_topics(timeout=min(1.0, max(deadline - time.monotonic(), 0.1))).brokers:
                 return
-        except ck.KafkaException as exc:
-            if exc.args and isinstance(exc.args[0], ck.KafkaError):
-                errors.append(exc.args[0])
+        except ck.KafkaException:
+            pass  # "failed to get metadata": the error_cb events below say why
+        admin.poll(0)  # serves error_cb: the connection's own errors (refused, TLS, SASL)
         auth = [e for e in errors if e.code() in _AUTH_ERRORS]
         if auth:
             raise KafkaError(
                 f"Kafka at {bootstrap} refused our credentials: {auth[-1].str()} (check "
                 "kafka.client_properties sasl.mechanism/sasl.username and kafka.secret_properties)"
             )
+        tls = [e for e in errors if e.code() == ck.KafkaError._SSL]
+        if tls:
+            raise KafkaError(
+                f"TLS with Kafka at {bootstrap} failed: {tls[-1].str()} (check kafka.client_properties "
+                "ssl.ca.location / security.protocol)"
+            )
         if time.monotonic() >= deadline:
+            if probe.closed_before_answering:
+                raise KafkaError(
+                    f"Kafka at {bootstrap} accepts connections but closes them before answering: most "
+                    "likely a security.protocol mismatch (a TLS/SASL listener: set "
+                    "kafka.client_properties.security.protocol, e.g. SASL_SSL, and its sasl./ssl. properties)"
+                )
             last = f"; last client error: {errors[-1].str()}" if errors else ""
             raise KafkaError(
                 f"no Kafka broker answers at {bootstrap} (waited {timeout:.0f}s){last}: start one "
@@ -197,7 +241,7 @@ class KafkaProducer:
             conf["transaction.timeout.ms"] = 15000
         conf.update(client_conf(properties))  # the user's (security, tuning) over our defaults
         conf.update(extra or {})
-        self._p = ck.Producer(conf)
+        self._p = build_client(ck.Producer, conf)
         self._errors: list[str] = []
         self._wedged = False
 
@@ -359,7 +403,7 @@ class KafkaConsumer:
         }
         conf.update(client_conf(properties))  # the user's (security, tuning) over our defaults
         conf.update(extra or {})  # static membership: ours, it carries the stage's identity
-        self._c = ck.Consumer(conf)
+        self._c = build_client(ck.Consumer, conf)
         self._has_group = group_id is not None
 
     def subscribe(
@@ -509,7 +553,7 @@ class KafkaTransport:
     def admin(self) -> AdminClient:
         if self._admin is None:
             conf: dict[str, Any] = {"bootstrap.servers": self.bootstrap, "logger": CLIENT_LOG}
-            self._admin = AdminClient({**conf, **client_conf(self.properties)})
+            self._admin = build_client(AdminClient, {**conf, **client_conf(self.properties)})
         return self._admin
 
     def _retry(self, fn: Callable[[], T], what: str) -> T:
@@ -613,7 +657,8 @@ class KafkaTransport:
         """A consumer of `group_id` that never subscribes: it only reads the group's offsets."""
         consumer = self._offset_readers.get(group_id)
         if consumer is None:
-            consumer = ck.Consumer(
+            consumer = build_client(
+                ck.Consumer,
                 {
                     "bootstrap.servers": self.bootstrap,
                     "group.id": group_id,
@@ -621,7 +666,7 @@ class KafkaTransport:
                     "enable.auto.commit": False,
                     "logger": CLIENT_LOG,
                     **client_conf(self.properties),
-                }
+                },
             )
             self._offset_readers[group_id] = consumer
         return consumer

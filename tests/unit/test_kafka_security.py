@@ -105,6 +105,9 @@ class _Recorder:
 
         return Metadata()
 
+    def poll(self, timeout: float = 0) -> None:
+        return None
+
 
 class Producer(_Recorder):
     pass
@@ -209,6 +212,9 @@ def test_a_refused_login_is_one_line_naming_the_problem(
             )
             raise ck.KafkaException(ck.KafkaError(ck.KafkaError._TRANSPORT, "timed out"))
 
+        def poll(self, timeout: float = 0) -> None:
+            return None
+
     monkeypatch.setattr(client, "AdminClient", Refusing)
     props = load_config(None, SECURED).kafka.librdkafka_properties()
     with pytest.raises(
@@ -238,3 +244,33 @@ def test_the_run_directory_holds_no_secret(
     assert written.kafka.secret_properties == {"sasl.password": "${TEST_KAFKA_PASSWORD}"}
     # A child reads it back from its environment (inherited from the launcher).
     assert written.kafka.librdkafka_properties()["sasl.password"] == SecretStr(password)
+
+
+def test_a_secured_local_broker_writes_one_listener_set(tmp_path: Path) -> None:
+    from stream_rl.kafka.broker import LocalBroker
+    from stream_rl.kafka.listener import SaslSslListener
+
+    listener = SaslSslListener(
+        port=9444,
+        keystore=tmp_path / "b.p12",
+        keystore_password="kp",
+        ca_pem=tmp_path / "ca.pem",
+        users={"alice": "alice-pass-77"},
+    )
+    broker = LocalBroker(tmp_path / "k", port=9443, listener=listener)
+    broker.data_dir.mkdir()
+    path = broker._write_config(9445)
+    props = dict(
+        line.split("=", 1) for line in path.read_text().splitlines() if line and not line.startswith("#")
+    )
+    assert (
+        props["listeners"]
+        == "PLAINTEXT://127.0.0.1:9443,SASL_SSL://127.0.0.1:9444,CONTROLLER://127.0.0.1:9445"
+    )
+    assert props["listener.security.protocol.map"].endswith("SASL_SSL:SASL_SSL")
+    assert 'user_alice="alice-pass-77"' in props["listener.name.sasl_ssl.plain.sasl.jaas.config"]
+    assert sum(line.startswith("listeners=") for line in path.read_text().splitlines()) == 1
+    assert path.stat().st_mode & 0o077 == 0  # passwords inside: the owner's only
+    assert "alice-pass-77" not in repr(listener) and "kp" not in repr(listener)
+    with pytest.raises(ValueError, match="may not hold quotes"):
+        SaslSslListener(9444, tmp_path, "kp", tmp_path, {"bob": 'p"w'}).server_properties("127.0.0.1")
