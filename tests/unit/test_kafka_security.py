@@ -5,6 +5,7 @@ file, refused as literals, and never land in a run directory or an error message
 from __future__ import annotations
 
 import ast
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -147,14 +148,23 @@ def test_every_client_constructor_gets_the_properties(password: str, monkeypatch
     assert password not in repr(vars(kafka))
 
 
+@cache
+def _sources() -> tuple[tuple[Path, str], ...]:
+    return tuple((p, p.read_text()) for p in sorted((REPO / "stream_rl").rglob("*.py")))
+
+
+@cache
+def _nodes(path: Path) -> tuple[ast.AST, ...]:
+    return tuple(ast.walk(ast.parse(path.read_text())))
+
+
 def _calls(name: str, methods: bool = True) -> list[tuple[Path, ast.Call]]:
     """Every call of `name` in stream_rl/ (`methods`: `x.name(...)` too)."""
     out = []
-    for path in sorted((REPO / "stream_rl").rglob("*.py")):
-        text = path.read_text()
-        if f"{name}(" not in text:  # parse only the candidates: keeps the test well under 0.5 s
+    for path, text in _sources():
+        if f"{name}(" not in text:  # parse only the candidates (once): keeps the test fast
             continue
-        for node in ast.walk(ast.parse(text)):
+        for node in _nodes(path):
             if isinstance(node, ast.Call):
                 func = node.func
                 called = func.id if isinstance(func, ast.Name) else ""
