@@ -128,6 +128,13 @@ class Launcher:
                 bootstrap, properties=cfg.librdkafka_properties()
             )  # one line within seconds when nothing answers there
             return bootstrap
+        from stream_rl.kafka.cluster import LocalCluster, cluster_layout
+
+        layout = cluster_layout(cfg.data_dir)
+        if layout is not None:
+            # A local cluster made by `stream-rl kafka up --brokers N`: started if needed, left
+            # running (it is the user's, like a cluster named by kafka.bootstrap).
+            return LocalCluster(cfg.data_dir, brokers=len(layout.ports)).up(quiet=False)
         broker = LocalBroker(cfg.data_dir, port=cfg.port)
         already_running = broker.running() is not None
         bootstrap = broker.up(quiet=False).bootstrap

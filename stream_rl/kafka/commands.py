@@ -15,10 +15,36 @@ def add_kafka_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["fetch", "up", "down", "status"])
     p.add_argument("--data-dir", default=".kafka", help="broker data dir (default .kafka)")
     p.add_argument("--port", type=int, default=9092, help="client port (default 9092)")
+    p.add_argument(
+        "--brokers",
+        type=int,
+        default=None,
+        help="up: a local KRaft cluster of N nodes on ports PORT..PORT+N-1 (default 1; down and "
+        "status find a cluster by its data dir)",
+    )
     p.add_argument("--quiet", action="store_true")
 
 
 def main_kafka(args: argparse.Namespace) -> int:
+    from stream_rl.kafka.cluster import LocalCluster, cluster_layout
+
+    layout = cluster_layout(args.data_dir)
+    brokers = args.brokers or (len(layout.ports) if layout else 1)
+    if brokers < 1:
+        raise StreamRLError(f"--brokers {brokers}: need at least 1")
+    if brokers > 1 and args.action != "fetch":
+        cluster = LocalCluster(args.data_dir, brokers=brokers, port=args.port)
+        if args.action == "up":
+            print(cluster.up(quiet=args.quiet))
+        elif args.action == "down":
+            cluster.down(quiet=args.quiet)
+        else:
+            print(cluster.status())
+        return 0
+    if layout is not None and args.action != "fetch":
+        raise StreamRLError(
+            f"{args.data_dir} holds a {len(layout.ports)}-broker cluster: pass --brokers {len(layout.ports)}"
+        )
     broker = LocalBroker(args.data_dir, port=args.port)
     if args.action == "fetch":
         lib = fetch_jars(quiet=args.quiet)

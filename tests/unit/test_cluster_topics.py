@@ -121,3 +121,30 @@ def test_producers_are_idempotent_with_acks_all(monkeypatch: pytest.MonkeyPatch)
     for key in ("acks", "enable.idempotence"):
         with pytest.raises(ConfigError, match=f"kafka.client_properties: {key} is not settable"):
             load_config(None, [f"kafka.client_properties={{{key}: '1'}}"])
+
+
+def test_a_local_cluster_node_names_its_voters_and_replicates_internal_topics(tmp_path: Path) -> None:
+    import json
+
+    from stream_rl.errors import BrokerError
+    from stream_rl.kafka.cluster import LocalCluster
+
+    cluster = LocalCluster(tmp_path, brokers=3, ports=[9301, 9302, 9303])
+    node = cluster.node(1)
+    node.data_dir.mkdir()
+    text = node._write_config(cluster.layout.controller_ports[1]).read_text()
+    props = dict(line.split("=", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    voters = ",".join(f"{i + 1}@127.0.0.1:{p}" for i, p in enumerate(cluster.layout.controller_ports))
+    assert props["node.id"] == "2" and props["controller.quorum.voters"] == voters
+    assert "controller.quorum.bootstrap.servers" not in props  # static voters, not a standalone quorum
+    assert (
+        props["offsets.topic.replication.factor"] == props["transaction.state.log.replication.factor"] == "3"
+    )
+    assert props["transaction.state.log.min.isr"] == "2"
+    assert props["listeners"].startswith("PLAINTEXT://127.0.0.1:9302,")
+    assert not set(cluster.layout.controller_ports) & {9301, 9302, 9303}
+    assert cluster.bootstrap == "127.0.0.1:9301,127.0.0.1:9302,127.0.0.1:9303"
+    (tmp_path / "cluster.json").write_text(json.dumps(cluster.layout.__dict__))
+    with pytest.raises(BrokerError, match="holds a 3-broker cluster; use --brokers 3"):
+        LocalCluster(tmp_path, brokers=2)
+    assert LocalCluster(tmp_path, brokers=3, port=1).layout == cluster.layout  # the recorded one wins
