@@ -148,3 +148,28 @@ def test_a_local_cluster_node_names_its_voters_and_replicates_internal_topics(tm
     with pytest.raises(BrokerError, match="holds a 3-broker cluster; use --brokers 3"):
         LocalCluster(tmp_path, brokers=2)
     assert LocalCluster(tmp_path, brokers=3, port=1).layout == cluster.layout  # the recorded one wins
+
+
+def test_the_launcher_uses_a_local_cluster_it_finds_and_leaves_it_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    from stream_rl.kafka import cluster as cluster_module
+    from stream_rl.kafka.stage import StopFlag
+    from stream_rl.launch import Launcher
+
+    layout = {"ports": [9401, 9402, 9403], "controller_ports": [9411, 9412, 9413], "cluster_id": "x"}
+    (tmp_path / "cluster.json").write_text(json.dumps(layout))
+    started: list[int] = []
+
+    def up(self: cluster_module.LocalCluster, quiet: bool = False) -> str:  # no JVMs in a unit test
+        started.append(len(self.layout.ports))
+        return self.bootstrap
+
+    monkeypatch.setattr(cluster_module.LocalCluster, "up", up)
+    monkeypatch.delenv("STREAM_RL_KAFKA_BOOTSTRAP", raising=False)
+    cfg = load_config(None, [f"kafka.data_dir={tmp_path}", f"runs_dir={tmp_path / 'runs'}"])
+    launcher = Launcher(cfg, StopFlag())
+    assert launcher.start_broker() == "127.0.0.1:9401,127.0.0.1:9402,127.0.0.1:9403"
+    assert started == [3] and launcher.broker is None  # the user's cluster: not stopped at the end
