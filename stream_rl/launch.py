@@ -124,8 +124,17 @@ class Launcher:
         cfg = self.config.kafka
         if cfg.bootstrap or os.environ.get("STREAM_RL_KAFKA_BOOTSTRAP"):
             bootstrap = resolve_bootstrap(None, cfg.bootstrap)
-            check_reachable(bootstrap)  # one line within seconds when nothing answers there
+            check_reachable(
+                bootstrap, properties=cfg.librdkafka_properties()
+            )  # one line within seconds when nothing answers there
             return bootstrap
+        from stream_rl.kafka.cluster import LocalCluster, cluster_layout
+
+        layout = cluster_layout(cfg.data_dir)
+        if layout is not None:
+            # A local cluster made by `stream-rl kafka up --brokers N`: started if needed, left
+            # running (it is the user's, like a cluster named by kafka.bootstrap).
+            return LocalCluster(cfg.data_dir, brokers=len(layout.ports)).up(quiet=False)
         broker = LocalBroker(cfg.data_dir, port=cfg.port)
         already_running = broker.running() is not None
         bootstrap = broker.up(quiet=False).bootstrap
@@ -141,7 +150,7 @@ class Launcher:
         from stream_rl.kafka.topics import WEIGHT_VERSIONS, TopicNames
         from stream_rl.train.lineage import read_weight_versions
 
-        kafka = KafkaTransport(self.bootstrap)
+        kafka = KafkaTransport.for_config(self.config.kafka, self.bootstrap)
         names = TopicNames(run=self.config.run, prefix=self.config.kafka.prefix)
         lineage = (
             read_weight_versions(kafka, names)
@@ -160,9 +169,16 @@ class Launcher:
         from stream_rl.kafka.client import KafkaTransport
         from stream_rl.kafka.topics import TopicNames, apply_topics, publish_schemas
 
-        kafka = KafkaTransport(self.bootstrap)
+        kafka = KafkaTransport.for_config(self.config.kafka, self.bootstrap)
         names = TopicNames(run=self.config.run, prefix=self.config.kafka.prefix)
-        report = apply_topics(kafka, names, self.config.kafka.partitions)
+        cfg = self.config.kafka
+        report = apply_topics(
+            kafka,
+            names,
+            cfg.partitions,
+            replication_factor=cfg.replication_factor,
+            min_insync_replicas=cfg.min_insync_replicas,
+        )
         publish_schemas(kafka, names)
         for line in report.drift:
             print(f"warning: topic differs from the topology: {line}", file=sys.stderr)

@@ -39,7 +39,7 @@ class RunMonitor:
     ) -> None:
         self.config = config
         self.run_dir = config.run_dir
-        self.kafka = KafkaTransport(bootstrap)
+        self.kafka = KafkaTransport.for_config(config.kafka, bootstrap)
         self.names = TopicNames(run=config.run, prefix=config.kafka.prefix)
         self.t0 = time.time()
         self._timeline_path = self.run_dir / "timeline.jsonl"

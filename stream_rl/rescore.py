@@ -65,7 +65,13 @@ def rescore(source: RunConfig, target: RunConfig, transport: KafkaTransport) -> 
         if any(high > low for low, high in ends.values()):
             raise ConfigError(f"--into {target.run}: that run already has scored rollouts; choose a new name")
     partitions = len(transport.partitions(src[SCORED]))
-    apply_topics(transport, dst, partitions)
+    apply_topics(
+        transport,
+        dst,
+        partitions,
+        replication_factor=target.kafka.replication_factor,
+        min_insync_replicas=target.kafka.min_insync_replicas,
+    )
     publish_schemas(transport, dst)
     task = get_task(target.task.name, target.task.params, target.task.system_prompt)
     serde = default_serde()
@@ -122,7 +128,9 @@ def main(args: argparse.Namespace) -> int:
     if not recorded.is_file():
         raise ConfigError(f"{recorded} not found: pass --config (the run's config) or --runs-dir")
     source, target = replay_config(recorded, args.run, args.into, args.overrides, args.runs_dir)
-    transport = KafkaTransport(resolve_bootstrap(args.bootstrap, source.kafka.bootstrap))
+    transport = KafkaTransport.for_config(
+        source.kafka, resolve_bootstrap(args.bootstrap, source.kafka.bootstrap)
+    )
     summary = rescore(source, target, transport)
     target.run_dir.mkdir(parents=True, exist_ok=True)
     (target.run_dir / "config.yaml").write_text(dump_config(target))

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from stream_rl.cli import add_common
-from stream_rl.config import load_config
+from stream_rl.config import KafkaConfig, load_config
 from stream_rl.contracts import Contract, EvalResult, WeightVersion
 from stream_rl.errors import ContractError, KafkaError, StreamRLError
 from stream_rl.kafka.broker import pid_alive, resolve_bootstrap
@@ -195,6 +195,10 @@ def main(args: argparse.Namespace) -> int:
     if not run:
         raise StreamRLError("which run? pass --run R (or --config)")
     run_dir = Path(args.runs_dir) / run
+    if cfg is None and (run_dir / "config.yaml").is_file():
+        # The launcher's resolved config: the run's prefix and Kafka client properties (secrets
+        # are references there, read again from the environment or their files).
+        cfg = load_config(run_dir / "config.yaml")
     procs = (
         json.loads((run_dir / "processes.json").read_text()) if (run_dir / "processes.json").exists() else {}
     )
@@ -202,7 +206,8 @@ def main(args: argparse.Namespace) -> int:
         args.bootstrap, (cfg.kafka.bootstrap if cfg else None) or procs.get("bootstrap")
     )
     names = TopicNames(run=run, prefix=cfg.kafka.prefix if cfg else "stream-rl")
-    view = StatusView(run, run_dir, KafkaTransport(bootstrap), names)
+    kafka = KafkaTransport.for_config(cfg.kafka if cfg else KafkaConfig(), bootstrap)
+    view = StatusView(run, run_dir, kafka, names)
     if args.once:
         print(view.render())
         return 0

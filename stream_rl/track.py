@@ -241,7 +241,9 @@ def main(args: argparse.Namespace) -> int:
             "tensorboard_dir": args.tensorboard_dir,
         },
     )
-    transport = KafkaTransport(resolve_bootstrap(args.bootstrap, config.kafka.bootstrap))
+    transport = KafkaTransport.for_config(
+        config.kafka, resolve_bootstrap(args.bootstrap, config.kafka.bootstrap)
+    )
     sinks = [open_sink(kind, config.run, options) for kind in dict.fromkeys(kinds)]
     stop = StopFlag()
     stop.install_signal_handlers()

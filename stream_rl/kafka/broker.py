@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from stream_rl.errors import BrokerError
+from stream_rl.kafka.listener import SaslSslListener
 
 KAFKA_VERSION = "4.3.1"
 DEPLOY_DIR = Path(__file__).resolve().parents[2] / "deploy" / "kafka"
@@ -140,6 +141,34 @@ def _answers(bootstrap: str, timeout: float = 2.0) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class Quorum:
+    """This broker's place in a multi-node KRaft cluster (`stream_rl/kafka/cluster.py`): every node
+    is broker and controller, the voters are static, the internal topics replicated."""
+
+    node_id: int
+    controller_port: int
+    voters: str
+    """`controller.quorum.voters`: `1@127.0.0.1:P1,2@127.0.0.1:P2,...`."""
+    cluster_id: str
+    replication: int
+    """Replication factor of the internal topics (offsets, transaction state)."""
+
+    def overrides(self) -> dict[str, str]:
+        isr = str(min(2, self.replication))
+        rf = str(self.replication)
+        return {
+            "node.id": str(self.node_id),
+            "controller.quorum.bootstrap.servers": "",
+            "controller.quorum.voters": self.voters,
+            "offsets.topic.replication.factor": rf,
+            "transaction.state.log.replication.factor": rf,
+            "transaction.state.log.min.isr": isr,
+            "share.coordinator.state.topic.replication.factor": rf,
+            "share.coordinator.state.topic.min.isr": isr,
+        }
+
+
 @dataclass
 class BrokerState:
     pid: int
@@ -163,11 +192,17 @@ class LocalBroker:
         port: int = 9092,
         host: str = "127.0.0.1",
         version: str = KAFKA_VERSION,
+        listener: SaslSslListener | None = None,
+        quorum: Quorum | None = None,
     ) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.port = port
         self.host = host
         self.version = version
+        self.listener = listener
+        """A SASL_SSL client listener besides the PLAINTEXT one (`stream_rl/kafka/listener.py`)."""
+        self.quorum = quorum
+        """Set for a node of a multi-node cluster (`LocalCluster`); None: a standalone broker."""
 
     @property
     def state_file(self) -> Path:
@@ -202,8 +237,14 @@ class LocalBroker:
             controller_port=controller_port,
             log_dir=self.data_dir / "kraft-logs",
         )
+        if self.listener is not None:
+            props = _with_listener(props, self.listener, self.host, self.port, controller_port)
+        if self.quorum is not None:
+            props = _override(props, self.quorum.overrides())
         path = self.data_dir / "server.properties"
         path.write_text(props)
+        if self.listener is not None:
+            path.chmod(0o600)  # it holds the SASL users' passwords and the keystore's
         return path
 
     def _java(self) -> list[str]:
@@ -211,8 +252,10 @@ class LocalBroker:
         log4j = DEPLOY_DIR / "log4j2.properties"
         return [java, *JVM_OPTS, f"-Dlog4j2.configurationFile={log4j}", "-cp", f"{jars_dir(self.version)}/*"]
 
-    def up(self, quiet: bool = False) -> BrokerState:
-        """Start the broker (fetching and formatting first if needed); a no-op if it runs."""
+    def up(self, quiet: bool = False, wait: bool = True) -> BrokerState:
+        """Start the broker (fetching and formatting first if needed); a no-op if it runs.
+        `wait=False` returns once the process is started (a cluster's node cannot answer before
+        a quorum of its peers runs)."""
         st = self.running()
         if st is not None:
             if _answers(st.bootstrap):
@@ -227,21 +270,32 @@ class LocalBroker:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if not port_is_free(self.port, self.host):
             raise BrokerError(f"port {self.port} is taken by another process; choose another with --port")
+        if self.listener is not None and not port_is_free(self.listener.port, self.host):
+            raise BrokerError(
+                f"port {self.listener.port} (the SASL_SSL listener's) is taken by another process"
+            )
         old = self.state()
-        controller_port = old.controller_port if old else free_port()
+        controller_port = (
+            self.quorum.controller_port if self.quorum else old.controller_port if old else free_port()
+        )
         if not port_is_free(controller_port):
             raise BrokerError(f"controller port {controller_port} (recorded in {self.state_file}) is taken")
         config = self._write_config(controller_port)
         started = time.monotonic()
         if not (self.data_dir / "kraft-logs" / "meta.properties").exists():
             cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+            # A cluster's nodes share its id and name their voters statically; one broker is a
+            # standalone (dynamic) quorum of itself.
+            quorum = ["--standalone"] if self.quorum is None else []
+            if self.quorum is not None:
+                cluster_id = self.quorum.cluster_id
             fmt = subprocess.run(
                 [
                     *self._java(),
                     "-Xmx256m",
                     "kafka.tools.StorageTool",
                     "format",
-                    "--standalone",
+                    *quorum,
                     # `=`: a base64 id may start with "-", which argparse4j would take for an option.
                     f"--cluster-id={cluster_id}",
                     "-c",
@@ -269,6 +323,8 @@ class LocalBroker:
             started_at=time.time(),
         )
         self.state_file.write_text(json.dumps(asdict(st)))
+        if not wait:
+            return st
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not _answers(st.bootstrap, timeout=1.0):
             if proc.poll() is not None:
@@ -321,6 +377,24 @@ class LocalBroker:
         return f"running: pid {st.pid} at {st.bootstrap}, {answering}; Kafka {st.version}; data in {self.data_dir}"
 
 
+def _with_listener(props: str, listener: SaslSslListener, host: str, port: int, controller_port: int) -> str:
+    """The template's properties with a SASL_SSL listener added (its keys replace the template's)."""
+    controller = f"CONTROLLER://127.0.0.1:{controller_port}"
+    overrides = {
+        "listeners": f"PLAINTEXT://127.0.0.1:{port},SASL_SSL://{host}:{listener.port},{controller}",
+        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port},SASL_SSL://{host}:{listener.port},{controller}",
+        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,SASL_SSL:SASL_SSL",
+        **listener.server_properties(host),
+    }
+    return _override(props, overrides)
+
+
+def _override(props: str, overrides: dict[str, str]) -> str:
+    """`props` with the keys of `overrides` replaced (an empty value drops the key)."""
+    lines = [ln for ln in props.splitlines() if ln.split("=", 1)[0] not in overrides]
+    return "\n".join([*lines, *(f"{k}={v}" for k, v in overrides.items() if v)]) + "\n"
+
+
 def _reap(pid: int) -> None:
     """Collect our own exited child (no-op for other processes)."""
     with contextlib.suppress(ChildProcessError):
@@ -331,7 +405,7 @@ def resolve_bootstrap(
     explicit: str | None = None, configured: str | None = None, data_dir: str | Path = ".kafka"
 ) -> str:
     """Bootstrap address: --bootstrap, then the config, then $STREAM_RL_KAFKA_BOOTSTRAP, then the
-    local broker recorded in `data_dir`, then 127.0.0.1:9092."""
+    local cluster or broker recorded in `data_dir`, then 127.0.0.1:9092."""
     if explicit:
         return explicit
     if configured:
@@ -339,5 +413,8 @@ def resolve_bootstrap(
     env = os.environ.get("STREAM_RL_KAFKA_BOOTSTRAP")
     if env:
         return env
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # a local cluster (cluster.py)
+        ports = json.loads((Path(data_dir) / "cluster.json").read_text())["ports"]
+        return ",".join(f"127.0.0.1:{p}" for p in ports)
     st = LocalBroker(data_dir).state()
     return st.bootstrap if st is not None else "127.0.0.1:9092"

@@ -9,7 +9,9 @@ from typing import Any, TypeVar
 
 import confluent_kafka as ck
 from confluent_kafka.admin import AdminClient, NewTopic
+from pydantic import SecretStr
 
+from stream_rl.config import KafkaConfig
 from stream_rl.errors import KafkaError, TransactionAborted
 from stream_rl.kafka.outage import (
     CLIENT_LOG,
@@ -44,28 +46,103 @@ _REBALANCED = (
 )
 
 
+Properties = Mapping[str, str | SecretStr]
+"""librdkafka properties from `kafka.client_properties` / `kafka.secret_properties` (secrets stay
+`SecretStr` until the moment a client is built)."""
+
+
+def client_conf(properties: Properties | None) -> dict[str, str]:
+    """The properties as librdkafka takes them: secrets unwrapped (only here, into the client's
+    own config; stream-rl never logs a client's config)."""
+    return {k: v.get_secret_value() if isinstance(v, SecretStr) else v for k, v in (properties or {}).items()}
+
+
+C = TypeVar("C")
+
+
+def build_client(cls: Callable[[dict[str, Any]], C], conf: dict[str, Any]) -> C:
+    """A librdkafka client, or a one-line KafkaError when librdkafka refuses its configuration
+    (an unknown property, SASL without a username...): that is a mistake in kafka.client_properties."""
+    try:
+        return cls(conf)
+    except ck.KafkaException as exc:
+        err = exc.args[0] if exc.args else exc
+        message = err.str() if isinstance(err, ck.KafkaError) else str(err)
+        raise KafkaError(
+            f"Kafka client configuration refused: {message} (check kafka.client_properties)"
+        ) from exc
+
+
 def _fail(what: str, exc: ck.KafkaException) -> KafkaError:
     return KafkaError(f"{what}: {exc.args[0] if exc.args else exc}")
 
 
-def check_reachable(bootstrap: str, timeout: float | None = None) -> None:
+class _ProbeLog(logging.Logger):
+    """librdkafka's log lines of `check_reachable`, kept to explain a failure, never printed."""
+
+    def __init__(self) -> None:
+        super().__init__("stream_rl.kafka.probe")
+        self.propagate = False
+        self.closed_before_answering = False
+
+    def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
+        # A listener that wants TLS (or SASL) drops a plaintext client during its first request.
+        text = str(msg) % args if args else str(msg)
+        if "Disconnected" in text and "APIVERSION_QUERY" in text:
+            self.closed_before_answering = True
+
+
+_AUTH_ERRORS = (ck.KafkaError._AUTHENTICATION, ck.KafkaError.SASL_AUTHENTICATION_FAILED)
+
+
+def check_reachable(
+    bootstrap: str, timeout: float | None = None, properties: Properties | None = None
+) -> None:
     """Raise a one-line KafkaError unless a broker at `bootstrap` answers within `timeout`
-    (default 10 s, or $STREAM_RL_KAFKA_REACHABLE_WAIT_S)."""
+    (default 10 s, or $STREAM_RL_KAFKA_REACHABLE_WAIT_S). A broker that refuses our credentials
+    fails at once, naming the problem; a TLS or protocol mismatch names librdkafka's last error."""
     timeout = reachable_wait_s() if timeout is None else timeout
-    admin = AdminClient(
-        {"bootstrap.servers": bootstrap, "log_level": 0, "socket.connection.setup.timeout.ms": 3000}
-    )
+    errors: list[ck.KafkaError] = []
+    probe = _ProbeLog()
+    conf: dict[str, Any] = {
+        "bootstrap.servers": bootstrap,
+        "logger": probe,  # kept, not printed: connection-refused noise is expected while a broker starts
+        "socket.connection.setup.timeout.ms": 3000,
+        "error_cb": errors.append,
+    }
+    admin = build_client(AdminClient, {**conf, **client_conf(properties)})
     deadline = time.monotonic() + timeout
     while True:
         try:
-            if admin.list_topics(timeout=min(2.0, max(deadline - time.monotonic(), 0.1))).brokers:
+            if admin.list_topics(timeout=min(1.0, max(deadline - time.monotonic(), 0.1))).brokers:
                 return
         except ck.KafkaException:
-            pass
-        if time.monotonic() >= deadline:
+            pass  # "failed to get metadata": the error_cb events below say why
+        admin.poll(0)  # serves error_cb: the connection's own errors (refused, TLS, SASL)
+        auth = [e for e in errors if e.code() in _AUTH_ERRORS]
+        if auth:
             raise KafkaError(
-                f"no Kafka broker answers at {bootstrap} (waited {timeout:.0f}s): start one "
+                f"Kafka at {bootstrap} refused our credentials: {auth[-1].str()} (check "
+                "kafka.client_properties sasl.mechanism/sasl.username and kafka.secret_properties)"
+            )
+        tls = [e for e in errors if e.code() == ck.KafkaError._SSL]
+        if tls:
+            raise KafkaError(
+                f"TLS with Kafka at {bootstrap} failed: {tls[-1].str()} (check kafka.client_properties "
+                "ssl.ca.location / security.protocol)"
+            )
+        if time.monotonic() >= deadline:
+            if probe.closed_before_answering:
+                raise KafkaError(
+                    f"Kafka at {bootstrap} accepts connections but closes them before answering: most "
+                    "likely a security.protocol mismatch (a TLS/SASL listener: set "
+                    "kafka.client_properties.security.protocol, e.g. SASL_SSL, and its sasl./ssl. properties)"
+                )
+            last = f"; last client error: {errors[-1].str()}" if errors else ""
+            raise KafkaError(
+                f"no Kafka broker answers at {bootstrap} (waited {timeout:.0f}s){last}: start one "
                 "(`stream-rl kafka up`) or fix kafka.bootstrap / --bootstrap / $STREAM_RL_KAFKA_BOOTSTRAP"
+                " (and kafka.client_properties for a secured cluster)"
             )
         time.sleep(0.3)
 
@@ -142,6 +219,7 @@ class KafkaProducer:
         extra: Mapping[str, Any] | None = None,
         outage_s: float = DEFAULT_OUTAGE_S,
         compression: str = DEFAULT_COMPRESSION,
+        properties: Properties | None = None,
     ) -> None:
         self.outage_s = outage_s
         self._fatal = _Errors(client_id)
@@ -161,8 +239,9 @@ class KafkaProducer:
             # Short: a killed instance that is not restarted under the same id blocks read_committed
             # consumers (the LSO) until its open transaction times out.
             conf["transaction.timeout.ms"] = 15000
+        conf.update(client_conf(properties))  # the user's (security, tuning) over our defaults
         conf.update(extra or {})
-        self._p = ck.Producer(conf)
+        self._p = build_client(ck.Producer, conf)
         self._errors: list[str] = []
         self._wedged = False
 
@@ -298,6 +377,7 @@ class KafkaConsumer:
         client_id: str,
         extra: Mapping[str, Any] | None = None,
         outage_s: float = DEFAULT_OUTAGE_S,
+        properties: Properties | None = None,
     ) -> None:
         self.outage_s = outage_s
         self._fatal = _Errors(client_id)
@@ -321,8 +401,9 @@ class KafkaConsumer:
             "heartbeat.interval.ms": 1000,
             "max.poll.interval.ms": 600000,
         }
-        conf.update(extra or {})
-        self._c = ck.Consumer(conf)
+        conf.update(client_conf(properties))  # the user's (security, tuning) over our defaults
+        conf.update(extra or {})  # static membership: ours, it carries the stage's identity
+        self._c = build_client(ck.Consumer, conf)
         self._has_group = group_id is not None
 
     def subscribe(
@@ -443,15 +524,28 @@ class KafkaConsumer:
 
 
 class KafkaTransport:
-    """Factory of clients for one cluster, plus the admin calls the stages need."""
+    """Factory of clients for one cluster, plus the admin calls the stages need. Every client it
+    builds (producers, consumers, the admin client, offset readers) gets `properties`."""
+
+    @classmethod
+    def for_config(cls, kafka: KafkaConfig, bootstrap: str, **kwargs: Any) -> KafkaTransport:
+        """The transport of a process whose run config is `kafka`: its client properties (secrets
+        read now) on every client. Every process builds its transport here."""
+        return cls(bootstrap, properties=kafka.librdkafka_properties(), **kwargs)
 
     def __init__(
-        self, bootstrap: str, outage_s: float = DEFAULT_OUTAGE_S, compression: str = DEFAULT_COMPRESSION
+        self,
+        bootstrap: str,
+        outage_s: float = DEFAULT_OUTAGE_S,
+        compression: str = DEFAULT_COMPRESSION,
+        properties: Properties | None = None,
     ) -> None:
         self.bootstrap = bootstrap
         self.outage_s = outage_s
-        self.compression = compression
         """How long calls wait out a broker that does not answer (`kafka.outage_timeout_s`)."""
+        self.compression = compression
+        self.properties: Properties = dict(properties or {})
+        """librdkafka properties of every client this transport builds (`KafkaConfig.librdkafka_properties`)."""
         self._admin: AdminClient | None = None
         self._offset_readers: dict[str, ck.Consumer] = {}
 
@@ -459,7 +553,7 @@ class KafkaTransport:
     def admin(self) -> AdminClient:
         if self._admin is None:
             conf: dict[str, Any] = {"bootstrap.servers": self.bootstrap, "logger": CLIENT_LOG}
-            self._admin = AdminClient(conf)
+            self._admin = build_client(AdminClient, {**conf, **client_conf(self.properties)})
         return self._admin
 
     def _retry(self, fn: Callable[[], T], what: str) -> T:
@@ -470,11 +564,16 @@ class KafkaTransport:
                 self._admin.poll(0)  # serves its queued log lines (they would pile up otherwise)
 
     def check_reachable(self, timeout: float | None = None) -> None:
-        check_reachable(self.bootstrap, timeout)
+        check_reachable(self.bootstrap, timeout, self.properties)
 
     def producer(self, client_id: str, transactional_id: str | None = None) -> KafkaProducer:
         return KafkaProducer(
-            self.bootstrap, client_id, transactional_id, outage_s=self.outage_s, compression=self.compression
+            self.bootstrap,
+            client_id,
+            transactional_id,
+            outage_s=self.outage_s,
+            compression=self.compression,
+            properties=self.properties,
         )
 
     def consumer(self, group_id: str | None, client_id: str, instance_id: str | None = None) -> KafkaConsumer:
@@ -489,7 +588,9 @@ class KafkaTransport:
             # fatal error (seen: a 30 s broker restart on a loaded machine).
             session_ms = max(STATIC_SESSION_TIMEOUT_MS, int(self.outage_s * 1000))
             extra = {"group.instance.id": instance_id, "session.timeout.ms": session_ms}
-        return KafkaConsumer(self.bootstrap, group_id, client_id, extra, outage_s=self.outage_s)
+        return KafkaConsumer(
+            self.bootstrap, group_id, client_id, extra, outage_s=self.outage_s, properties=self.properties
+        )
 
     def partitions(self, topic: str, timeout: float = 10.0) -> list[int]:
         return self._retry(lambda: self._partitions(topic, timeout), f"describe {topic}")
@@ -502,6 +603,21 @@ class KafkaTransport:
         if t.error is not None:
             raise TransientKafkaError(t.error.str())  # e.g. no leader yet, right after a restart
         return sorted(t.partitions)
+
+    def replication_factor(self, topic: str) -> int:
+        """Replicas of the topic's partitions (the smallest, should they differ)."""
+        return self._retry(lambda: self._replication_factor(topic), f"describe {topic}")
+
+    def _replication_factor(self, topic: str) -> int:
+        md = self.admin.list_topics(topic=topic, timeout=10.0)
+        t = md.topics.get(topic)
+        if t is None or t.error is not None or not t.partitions:
+            raise KafkaError(f"topic {topic} does not exist (run `stream-rl topics apply --run <run>`)")
+        return min(len(p.replicas) for p in t.partitions.values())
+
+    def broker_count(self) -> int:
+        """Brokers in the cluster's metadata."""
+        return self._retry(lambda: len(self.admin.list_topics(timeout=10.0).brokers), "list brokers")
 
     def watermarks(self, topic: str) -> dict[int, tuple[int, int]]:
         return self._retry(lambda: self._watermarks(topic), f"list offsets of {topic}")
@@ -541,14 +657,16 @@ class KafkaTransport:
         """A consumer of `group_id` that never subscribes: it only reads the group's offsets."""
         consumer = self._offset_readers.get(group_id)
         if consumer is None:
-            consumer = ck.Consumer(
+            consumer = build_client(
+                ck.Consumer,
                 {
                     "bootstrap.servers": self.bootstrap,
                     "group.id": group_id,
                     "client.id": "stream-rl-offsets",
                     "enable.auto.commit": False,
                     "logger": CLIENT_LOG,
-                }
+                    **client_conf(self.properties),
+                },
             )
             self._offset_readers[group_id] = consumer
         return consumer
@@ -562,11 +680,16 @@ class KafkaTransport:
         desc = self.admin.describe_consumer_groups([group_id], request_timeout=15)[group_id].result()
         return len(desc.members or [])
 
-    def create_topics(self, topics: list[tuple[str, int, dict[str, str]]]) -> list[str]:
+    def create_topics(
+        self,
+        topics: list[tuple[str, int, dict[str, str]]],
+        replication_factors: Mapping[str, int] | None = None,
+    ) -> list[str]:
         if not topics:
             return []
+        factors = replication_factors or {}
         new = [
-            NewTopic(name, num_partitions=parts, replication_factor=1, config=conf)
+            NewTopic(name, num_partitions=parts, replication_factor=factors.get(name, 1), config=conf)
             for name, parts, conf in topics
         ]
         created = []

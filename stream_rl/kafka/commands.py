@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from stream_rl.cli import add_common
-from stream_rl.config import DEFAULT_PREFIX, load_config
+from stream_rl.config import DEFAULT_PREFIX, KafkaConfig, load_config
 from stream_rl.errors import StreamRLError
 from stream_rl.kafka.broker import KAFKA_VERSION, LocalBroker, fetch_jars, resolve_bootstrap
 from stream_rl.kafka.topics import TopicNames, apply_topics, publish_schemas
@@ -15,10 +15,36 @@ def add_kafka_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["fetch", "up", "down", "status"])
     p.add_argument("--data-dir", default=".kafka", help="broker data dir (default .kafka)")
     p.add_argument("--port", type=int, default=9092, help="client port (default 9092)")
+    p.add_argument(
+        "--brokers",
+        type=int,
+        default=None,
+        help="up: a local KRaft cluster of N nodes on ports PORT..PORT+N-1 (default 1; down and "
+        "status find a cluster by its data dir)",
+    )
     p.add_argument("--quiet", action="store_true")
 
 
 def main_kafka(args: argparse.Namespace) -> int:
+    from stream_rl.kafka.cluster import LocalCluster, cluster_layout
+
+    layout = cluster_layout(args.data_dir)
+    brokers = args.brokers or (len(layout.ports) if layout else 1)
+    if brokers < 1:
+        raise StreamRLError(f"--brokers {brokers}: need at least 1")
+    if brokers > 1 and args.action != "fetch":
+        cluster = LocalCluster(args.data_dir, brokers=brokers, port=args.port)
+        if args.action == "up":
+            print(cluster.up(quiet=args.quiet))
+        elif args.action == "down":
+            cluster.down(quiet=args.quiet)
+        else:
+            print(cluster.status())
+        return 0
+    if layout is not None and args.action != "fetch":
+        raise StreamRLError(
+            f"{args.data_dir} holds a {len(layout.ports)}-broker cluster: pass --brokers {len(layout.ports)}"
+        )
     broker = LocalBroker(args.data_dir, port=args.port)
     if args.action == "fetch":
         lib = fetch_jars(quiet=args.quiet)
@@ -34,14 +60,16 @@ def main_kafka(args: argparse.Namespace) -> int:
     return 0
 
 
-def _names(args: argparse.Namespace) -> tuple[TopicNames, str, int | None]:
+def _names(args: argparse.Namespace) -> tuple[TopicNames, str, KafkaConfig]:
+    """The run's topic names, bootstrap and Kafka config (defaults without --config/--set)."""
     cfg = load_config(args.config, args.overrides) if args.config or args.overrides else None
     run = args.run or (cfg.run if cfg else None)
     if not run:
         raise StreamRLError("which run? pass --run R (or --config with a `run:` name)")
-    prefix = args.prefix or (cfg.kafka.prefix if cfg else DEFAULT_PREFIX)
-    bootstrap = resolve_bootstrap(args.bootstrap, cfg.kafka.bootstrap if cfg else None)
-    return TopicNames(run=run, prefix=prefix), bootstrap, (cfg.kafka.partitions if cfg else None)
+    kafka = cfg.kafka if cfg else KafkaConfig()
+    prefix = args.prefix or kafka.prefix
+    bootstrap = resolve_bootstrap(args.bootstrap, kafka.bootstrap)
+    return TopicNames(run=run, prefix=prefix), bootstrap, kafka
 
 
 def add_topics_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,15 +93,21 @@ def main_topics(args: argparse.Namespace) -> int:
         print(topology_markdown())
         return 0
     if args.action == "list" and not args.run and not args.config:
-        transport = KafkaTransport(resolve_bootstrap(args.bootstrap))
+        transport = KafkaTransport.for_config(KafkaConfig(), resolve_bootstrap(args.bootstrap))
         prefix = (args.prefix or DEFAULT_PREFIX) + "."
         _print_counts(transport, [t for t in transport.list_topic_names() if t.startswith(prefix)])
         return 0
-    names, bootstrap, partitions = _names(args)
-    transport = KafkaTransport(bootstrap)
+    names, bootstrap, kcfg = _names(args)
+    transport = KafkaTransport.for_config(kcfg, bootstrap)
     transport.check_reachable()
     if args.action == "apply":
-        report = apply_topics(transport, names, args.partitions or partitions)
+        report = apply_topics(
+            transport,
+            names,
+            args.partitions or kcfg.partitions,
+            replication_factor=kcfg.replication_factor,
+            min_insync_replicas=kcfg.min_insync_replicas,
+        )
         n = publish_schemas(transport, names)
         print(
             f"run {names.run} on {bootstrap}: {len(report.created)} topics created, "
@@ -123,8 +157,8 @@ def main_lag(args: argparse.Namespace) -> int:
     from stream_rl.kafka.client import KafkaTransport
     from stream_rl.kafka.lag import format_lags, run_lags
 
-    names, bootstrap, _ = _names(args)
-    kafka = KafkaTransport(bootstrap)
+    names, bootstrap, kcfg = _names(args)
+    kafka = KafkaTransport.for_config(kcfg, bootstrap)
     kafka.check_reachable()
     if args.serve_metrics is None:
         print(format_lags(run_lags(kafka, names, with_age=not args.no_age)))

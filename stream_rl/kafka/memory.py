@@ -32,8 +32,12 @@ class _Group:
 
 
 class MemoryBroker:
-    def __init__(self) -> None:
+    def __init__(self, brokers: int = 1) -> None:
+        self.brokers = brokers
+        """How many brokers this cluster pretends to have (bounds replication factors)."""
         self.topics: dict[str, list[list[Message]]] = {}
+        self.configs: dict[str, dict[str, str]] = {}
+        self.replication: dict[str, int] = {}
         self.groups: dict[str, _Group] = {}
         self.cond = threading.Condition()
         self._rr = itertools.count()
@@ -297,8 +301,41 @@ class MemoryTransport:
             group = self.broker.groups.get(group_id)
             return len(group.members) if group else 0
 
-    def create_topics(self, topics: list[tuple[str, int, dict[str, str]]]) -> list[str]:
-        return [name for name, parts, _ in topics if self.broker.create(name, parts)]
+    def create_topics(
+        self,
+        topics: list[tuple[str, int, dict[str, str]]],
+        replication_factors: Mapping[str, int] | None = None,
+    ) -> list[str]:
+        created = []
+        for name, parts, conf in topics:
+            rf = (replication_factors or {}).get(name, 1)
+            if rf > self.broker.brokers:
+                raise KafkaError(
+                    f"create topic {name}: replication factor {rf} larger than {self.broker.brokers} brokers"
+                )
+            if self.broker.create(name, parts):
+                self.broker.configs[name] = dict(conf)
+                self.broker.replication[name] = rf
+                created.append(name)
+        return created
+
+    # -- the admin calls of `topics apply` (as KafkaTransport's) --------------------------------
+    def list_topic_names(self) -> list[str]:
+        with self.broker.cond:
+            return sorted(self.broker.topics)
+
+    def partitions(self, topic: str) -> list[int]:
+        with self.broker.cond:
+            return list(range(len(self.broker.topics[topic])))
+
+    def topic_configs(self, topics: list[str]) -> dict[str, dict[str, str]]:
+        return {t: dict(self.broker.configs.get(t, {})) for t in topics}
+
+    def replication_factor(self, topic: str) -> int:
+        return self.broker.replication.get(topic, 1)
+
+    def broker_count(self) -> int:
+        return self.broker.brokers
 
     def messages(self, topic: str) -> list[Message]:
         """Every record of a topic, partition by partition (test helper)."""

@@ -6,10 +6,11 @@ a DLQ; `_schemas` is shared by the cluster (`<prefix>._schemas`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import yaml
 
@@ -17,9 +18,6 @@ from stream_rl.config import DEFAULT_PREFIX
 from stream_rl.errors import ConfigError
 from stream_rl.kafka.serde import Serde, default_serde
 from stream_rl.kafka.transport import Transport
-
-if TYPE_CHECKING:
-    from stream_rl.kafka.client import KafkaTransport
 
 TOPOLOGY_PATH = Path(__file__).resolve().parents[2] / "topology" / "topics.yaml"
 
@@ -46,9 +44,16 @@ class TopicSpec:
     dlq: bool
     is_global: bool = False
     max_message_bytes: int | None = None
+    replication_factor: int = 1
+    min_insync_replicas: int = 1
 
-    def configs(self) -> dict[str, str]:
-        out = {"retention.ms": str(self.retention_ms), "cleanup.policy": self.cleanup_policy}
+    def configs(self, min_insync_replicas: int | None = None) -> dict[str, str]:
+        """The topic's broker configs; `min_insync_replicas` overrides the topology's."""
+        out = {
+            "retention.ms": str(self.retention_ms),
+            "cleanup.policy": self.cleanup_policy,
+            "min.insync.replicas": str(min_insync_replicas or self.min_insync_replicas),
+        }
         if self.max_message_bytes:
             out["max.message.bytes"] = str(self.max_message_bytes)
         if self.cleanup_policy == "compact":
@@ -75,7 +80,15 @@ def load_topology(path: Path = TOPOLOGY_PATH) -> dict[str, TopicSpec]:
             dlq=bool(t.get("dlq", False)),
             is_global=bool(t.get("global", False)),
             max_message_bytes=t.get("max_message_bytes"),
+            replication_factor=int(t.get("replication_factor", 1)),
+            min_insync_replicas=int(t.get("min_insync_replicas", 1)),
         )
+        spec = specs[name]
+        if not 1 <= spec.min_insync_replicas <= spec.replication_factor:
+            raise ConfigError(
+                f"{path}: topic {name}: min_insync_replicas must be between 1 and replication_factor "
+                f"({spec.min_insync_replicas} > {spec.replication_factor})"
+            )
     return specs
 
 
@@ -105,17 +118,52 @@ class TopicNames:
         """Consumer group id of a role in this run (groups are namespaced like topics)."""
         return f"{self.prefix}.{self.run}.{role}"
 
-    def all_topics(self, partitions: int | None = None) -> list[tuple[str, int, dict[str, str]]]:
-        """(full name, partitions, configs) of every topic of the run, DLQs and `_schemas` included."""
+    def all_topics(
+        self, partitions: int | None = None, min_insync_replicas: int | None = None
+    ) -> list[tuple[str, int, dict[str, str]]]:
+        """(full name, partitions, configs) of every topic of the run, DLQs and `_schemas` included;
+        `min_insync_replicas` overrides the topology's for all of them (`kafka.min_insync_replicas`)."""
         out = []
         for spec in load_topology().values():
             # The override applies to the partitioned (scalable) topics only; single-partition
             # topics are single by design (ordering: trainer input, lineage, schemas).
             parts = partitions if (partitions is not None and spec.partitions > 1) else spec.partitions
-            out.append((self.topic(spec.name), parts, spec.configs()))
+            out.append((self.topic(spec.name), parts, spec.configs(min_insync_replicas)))
             if spec.dlq:
-                out.append((self.dlq(spec.name), 1, {"retention.ms": "-1", "cleanup.policy": "delete"}))
+                isr = str(min_insync_replicas or spec.min_insync_replicas)
+                dlq_conf = {"retention.ms": "-1", "cleanup.policy": "delete", "min.insync.replicas": isr}
+                out.append((self.dlq(spec.name), 1, dlq_conf))
         return out
+
+    def replication_factors(self, replication_factor: int | None = None) -> dict[str, int]:
+        """Full name -> replication factor of every topic of the run (a DLQ has its topic's);
+        `replication_factor` overrides the topology's (`kafka.replication_factor`)."""
+        out: dict[str, int] = {}
+        for spec in load_topology().values():
+            out[self.topic(spec.name)] = replication_factor or spec.replication_factor
+            if spec.dlq:
+                out[self.dlq(spec.name)] = replication_factor or spec.replication_factor
+        return out
+
+
+class TopicAdmin(Protocol):
+    """The admin calls `topics apply` needs (KafkaTransport; MemoryTransport in unit tests)."""
+
+    def list_topic_names(self) -> list[str]: ...
+
+    def partitions(self, topic: str) -> list[int]: ...
+
+    def topic_configs(self, topics: list[str]) -> dict[str, dict[str, str]]: ...
+
+    def replication_factor(self, topic: str) -> int: ...
+
+    def broker_count(self) -> int: ...
+
+    def create_topics(
+        self,
+        topics: list[tuple[str, int, dict[str, str]]],
+        replication_factors: Mapping[str, int] | None = None,
+    ) -> list[str]: ...
 
 
 @dataclass
@@ -126,11 +174,40 @@ class ApplyReport:
     """Human-readable differences between existing topics and the topology."""
 
 
-def apply_topics(transport: KafkaTransport, names: TopicNames, partitions: int | None = None) -> ApplyReport:
-    """Create the run's topics idempotently and report existing topics whose config differs."""
-    wanted = names.all_topics(partitions)
+def check_replication(names: TopicNames, brokers: int, factor: int | None, min_insync: int | None) -> None:
+    """One-line ConfigError unless every topic's replication fits the cluster: no more copies than
+    brokers, and min.insync.replicas <= the replication factor (else every acks=all write fails)."""
+    factors = names.replication_factors(factor)
+    for name, _parts, conf in names.all_topics(min_insync_replicas=min_insync):
+        rf, isr = factors[name], int(conf["min.insync.replicas"])
+        if rf > brokers:
+            raise ConfigError(
+                f"topic {name}: replication factor {rf} but the cluster has {brokers} broker(s) "
+                "(set kafka.replication_factor to at most the broker count)"
+            )
+        if isr > rf:
+            raise ConfigError(
+                f"topic {name}: min.insync.replicas {isr} > replication factor {rf}: every write would "
+                "fail (lower kafka.min_insync_replicas or raise kafka.replication_factor)"
+            )
+
+
+def apply_topics(
+    transport: TopicAdmin,
+    names: TopicNames,
+    partitions: int | None = None,
+    *,
+    replication_factor: int | None = None,
+    min_insync_replicas: int | None = None,
+) -> ApplyReport:
+    """Create the run's topics idempotently and report existing topics whose config differs
+    (partitions, replication factor, and every config the topology sets, `min.insync.replicas`
+    included). `replication_factor` / `min_insync_replicas` override the topology's for every topic."""
+    check_replication(names, transport.broker_count(), replication_factor, min_insync_replicas)
+    wanted = names.all_topics(partitions, min_insync_replicas)
+    factors = names.replication_factors(replication_factor)
     existing = set(transport.list_topic_names())
-    created = transport.create_topics([t for t in wanted if t[0] not in existing])
+    created = transport.create_topics([t for t in wanted if t[0] not in existing], factors)
     present = [t for t in wanted if t[0] in existing]
     drift: list[str] = []
     if present:
@@ -139,6 +216,12 @@ def apply_topics(transport: KafkaTransport, names: TopicNames, partitions: int |
             got_parts = len(transport.partitions(name))
             if got_parts != parts:
                 drift.append(f"{name}: {got_parts} partitions, topology says {parts}")
+            got_rf = transport.replication_factor(name)
+            if got_rf != factors[name]:
+                drift.append(
+                    f"{name}: replication factor {got_rf}, topology says {factors[name]} "
+                    "(Kafka changes it only by partition reassignment)"
+                )
             for key, value in conf.items():
                 have = actual.get(name, {}).get(key)
                 if have is not None and have != value:
@@ -161,8 +244,9 @@ def publish_schemas(transport: Transport, names: TopicNames, serde: Serde | None
 def topology_markdown() -> str:
     """The topology as a Markdown table (the README embeds it; a test keeps them equal)."""
     rows = [
-        "| topic | key | value | producer | consumer groups (followers) | partitions | retention | cleanup | DLQ |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| topic | key | value | producer | consumer groups (followers) | partitions | replicas (min ISR) "
+        "| retention | cleanup | DLQ |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in load_topology().values():
         readers = ", ".join(s.consumers) or "—"
@@ -171,6 +255,6 @@ def topology_markdown() -> str:
         retention = "forever" if s.retention_ms < 0 else f"{s.retention_ms / 86_400_000:g} d"
         rows.append(
             f"| `{s.name}` | {s.key} | `{s.value}` | {s.producer} | {readers} | {s.partitions} | "
-            f"{retention} | {s.cleanup_policy} | {'yes' if s.dlq else 'no'} |"
+            f"{s.replication_factor} ({s.min_insync_replicas}) | {retention} | {s.cleanup_policy} | {'yes' if s.dlq else 'no'} |"
         )
     return "\n".join(rows)

@@ -134,6 +134,11 @@ class Transport(Protocol):
         """Live members of a consumer group (0 when the group has none or does not exist)."""
         ...
 
-    def create_topics(self, topics: list[tuple[str, int, dict[str, str]]]) -> list[str]:
-        """Create topics that do not exist yet; returns the names created."""
+    def create_topics(
+        self,
+        topics: list[tuple[str, int, dict[str, str]]],
+        replication_factors: Mapping[str, int] | None = None,
+    ) -> list[str]:
+        """Create topics that do not exist yet, each with its replication factor (default 1);
+        returns the names created."""
         ...

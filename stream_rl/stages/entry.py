@@ -64,7 +64,8 @@ def open_transport(config: RunConfig, transport: Transport | None) -> Transport:
     from stream_rl.kafka.broker import resolve_bootstrap
     from stream_rl.kafka.client import KafkaTransport
 
-    kafka = KafkaTransport(
+    kafka = KafkaTransport.for_config(
+        config.kafka,
         resolve_bootstrap(None, config.kafka.bootstrap, config.kafka.data_dir),
         outage_s=config.kafka.outage_timeout_s,
     )

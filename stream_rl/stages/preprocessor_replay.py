@@ -139,7 +139,10 @@ def replay_preprocessor(
     marks = transport.watermarks(src_scored)
     if not marks:
         raise KafkaError(f"{src_scored} has no partitions: is {source.run!r} a run on this cluster?")
-    transport.create_topics(dst.all_topics(len(marks)))  # state partition i = scored partition i
+    kcfg = target.kafka
+    transport.create_topics(  # state partition i = scored partition i
+        dst.all_topics(len(marks), kcfg.min_insync_replicas), dst.replication_factors(kcfg.replication_factor)
+    )
     publish_schemas(transport, dst)
     ends = {(src_scored, p): high for p, (low, high) in marks.items() if high > low}
     committed = transport.group_offsets(dst.group("preprocessor"), src_scored)
@@ -230,7 +233,9 @@ def main(args: argparse.Namespace) -> int:
         )
     target.run_dir.mkdir(parents=True, exist_ok=True)
     written.write_text(dump_config(target))
-    transport = KafkaTransport(resolve_bootstrap(None, target.kafka.bootstrap, target.kafka.data_dir))
+    transport = KafkaTransport.for_config(
+        target.kafka, resolve_bootstrap(None, target.kafka.bootstrap, target.kafka.data_dir)
+    )
     stop = StopFlag()
     stop.install_signal_handlers()
     summary = replay_preprocessor(source, target, transport, stop=stop, idle_timeout_s=args.idle_timeout)

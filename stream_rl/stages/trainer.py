@@ -474,7 +474,8 @@ def main(args: argparse.Namespace) -> int:
         if deepspeed_backend.is_follower():
             deepspeed_backend.follow(config)
             return 0
-    transport = KafkaTransport(
+    transport = KafkaTransport.for_config(
+        config.kafka,
         resolve_bootstrap(args.bootstrap, config.kafka.bootstrap),
         outage_s=config.kafka.outage_timeout_s,
         compression=config.kafka.compression,

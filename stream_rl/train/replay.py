@@ -189,7 +189,9 @@ def main(args: argparse.Namespace) -> int:
     config = load_config(args.config or recorded, args.overrides)
     if config.run != args.run:
         config = config.model_copy(update={"run": args.run})
-    transport = KafkaTransport(resolve_bootstrap(args.bootstrap, config.kafka.bootstrap))
+    transport = KafkaTransport.for_config(
+        config.kafka, resolve_bootstrap(args.bootstrap, config.kafka.bootstrap)
+    )
     stop = StopFlag()
     stop.install_signal_handlers()
     report = replay_trainer(config, transport, model_path=args.model, stop=stop)

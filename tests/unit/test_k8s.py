@@ -1,0 +1,258 @@
+"""deploy/k8s/ checked offline (it has never been applied to a cluster: README "Kubernetes").
+
+Every object parses; every built-in kind validates strictly against the Kubernetes API's JSON
+schemas (kubernetes-validate: unknown fields, wrong types and missing required fields fail); the
+Strimzi and KEDA custom resources, which those schemas do not cover, are checked for the fields
+stream-rl relies on. And the manifests agree with the run config they mount and with the code:
+topics with the topology, consumer groups and topics of the KEDA triggers with the run's names,
+server URLs with the StatefulSet, the trainer's weight-sync address with its Service, every
+container's arguments with its command's own parser, every path the config names with a mount."""
+
+from __future__ import annotations
+
+import shlex
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from stream_rl.cli import command_parser
+from stream_rl.config import RunConfig
+from stream_rl.kafka.topics import TopicNames, load_topology
+
+pytestmark = pytest.mark.unit
+
+K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+K8S_VERSION = "1.35.0"  # the schema set of kubernetes-validate (pinned in pyproject.toml)
+BUILTIN = {"v1", "apps/v1", "batch/v1"}
+CUSTOM = {
+    ("kafka.strimzi.io/v1beta2", "Kafka"),
+    ("kafka.strimzi.io/v1beta2", "KafkaNodePool"),
+    ("kafka.strimzi.io/v1beta2", "KafkaTopic"),
+    ("kafka.strimzi.io/v1beta2", "KafkaUser"),
+    ("keda.sh/v1alpha1", "ScaledObject"),
+    ("keda.sh/v1alpha1", "TriggerAuthentication"),
+}
+POD_NAME = "stream-rl-actor-0"  # what $(POD_NAME) expands to in a StatefulSet's first pod
+
+
+@cache
+def objects() -> tuple[dict[str, Any], ...]:
+    files = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
+    return tuple(d for f in files for d in yaml.safe_load_all((K8S / f).read_text()) if d is not None)
+
+
+def by_kind(kind: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o for o in objects() if o["kind"] == kind}
+
+
+@cache
+def run_config() -> RunConfig:
+    return RunConfig.model_validate(yaml.safe_load(by_kind("ConfigMap")["stream-rl-run"]["data"]["run.yaml"]))
+
+
+def pod_specs() -> dict[str, dict[str, Any]]:
+    kinds = ("StatefulSet", "Deployment", "Job")
+    return {o["metadata"]["name"]: o["spec"]["template"]["spec"] for o in objects() if o["kind"] in kinds}
+
+
+def test_every_file_is_listed_and_every_object_is_known() -> None:
+    listed = set(yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"])
+    assert listed == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    names = [(o["kind"], o["metadata"]["name"]) for o in objects()]
+    assert len(names) == len(set(names)), "two objects share a kind and name"
+    for o in objects():
+        assert o["apiVersion"] in BUILTIN or (o["apiVersion"], o["kind"]) in CUSTOM, o["kind"]
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [o for o in objects() if o["apiVersion"] in BUILTIN],
+    ids=lambda o: f"{o['kind']}/{o['metadata']['name']}",
+)
+def test_builtin_objects_match_the_kubernetes_api(obj: dict[str, Any]) -> None:
+    import kubernetes_validate
+
+    kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_the_validator_refuses_an_unknown_field() -> None:
+    import kubernetes_validate
+
+    sts = dict(by_kind("StatefulSet")["stream-rl-server"])
+    sts["spec"] = {**sts["spec"], "replica": 2}
+    # Caught by hand and read by .message: pytest.raises renders the exception, hence the whole
+    # schema (half a second).
+    message = ""
+    try:
+        kubernetes_validate.validate(sts, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        message = exc.message
+    assert "'replica' was unexpected" in message
+
+
+def test_the_run_config_loads_and_is_cluster_grade() -> None:
+    cfg = run_config()
+    assert (cfg.kafka.replication_factor, cfg.kafka.min_insync_replicas) == (3, 2)
+    assert cfg.kafka.client_properties["security.protocol"] == "SASL_SSL"
+    assert set(cfg.kafka.secret_properties.values()) == {"file:/etc/kafka-user/password"}
+
+
+def test_kafka_cluster_matches_the_client_config() -> None:
+    cfg = run_config()
+    (kafka,) = by_kind("Kafka").values()
+    (listener,) = kafka["spec"]["kafka"]["listeners"]
+    assert cfg.kafka.bootstrap == f"{kafka['metadata']['name']}-kafka-bootstrap:{listener['port']}"
+    assert listener["tls"] is True and listener["authentication"]["type"] == "scram-sha-512"
+    assert cfg.kafka.client_properties["sasl.mechanism"] == "SCRAM-SHA-512"
+    config = kafka["spec"]["kafka"]["config"]
+    assert config["min.insync.replicas"] == cfg.kafka.min_insync_replicas
+    assert config["transaction.state.log.min.isr"] == cfg.kafka.min_insync_replicas
+    pools = by_kind("KafkaNodePool").values()
+    assert sum(p["spec"]["replicas"] for p in pools if "broker" in p["spec"]["roles"]) >= (
+        cfg.kafka.replication_factor or 1
+    )
+    user = by_kind("KafkaUser")[cfg.kafka.client_properties["sasl.username"]]
+    assert user["spec"]["authentication"]["type"] == "scram-sha-512"
+    prefixes = {
+        a["resource"]["name"] for a in user["spec"]["authorization"]["acls"] if "name" in a["resource"]
+    }
+    assert prefixes == {f"{cfg.kafka.prefix}."}
+    for obj in [*by_kind("KafkaTopic").values(), *pools, user]:
+        assert obj["metadata"]["labels"]["strimzi.io/cluster"] == kafka["metadata"]["name"]
+
+
+def test_kafka_topics_are_the_topology_of_the_run() -> None:
+    cfg = run_config()
+    names = TopicNames(run=cfg.run, prefix=cfg.kafka.prefix)
+    factors = names.replication_factors(cfg.kafka.replication_factor)
+    want = {
+        name: (parts, factors[name], conf)
+        for name, parts, conf in names.all_topics(cfg.kafka.partitions, cfg.kafka.min_insync_replicas)
+    }
+    got = {
+        t["spec"]["topicName"]: (t["spec"]["partitions"], t["spec"]["replicas"], t["spec"]["config"])
+        for t in by_kind("KafkaTopic").values()
+    }
+    assert got == want
+
+
+def test_keda_scales_each_consumer_on_its_own_group_and_topic() -> None:
+    cfg = run_config()
+    names = TopicNames(run=cfg.run, prefix=cfg.kafka.prefix)
+    specs = load_topology()
+    auths = by_kind("TriggerAuthentication")
+    statefulsets = by_kind("StatefulSet")
+    scaled = {o["spec"]["scaleTargetRef"]["name"]: o for o in by_kind("ScaledObject").values()}
+    assert set(scaled) == {f"stream-rl-{role}" for role in ("actor", "verifier", "preprocessor")}
+    for target, obj in scaled.items():
+        role = target.removeprefix("stream-rl-")
+        assert obj["spec"]["scaleTargetRef"]["kind"] == "StatefulSet" and target in statefulsets
+        (trigger,) = obj["spec"]["triggers"]
+        meta = trigger["metadata"]
+        assert trigger["type"] == "kafka" and trigger["authenticationRef"]["name"] in auths
+        assert meta["bootstrapServers"] == cfg.kafka.bootstrap
+        assert meta["consumerGroup"] == names.group(role)
+        (topic,) = [s for s in specs.values() if role in s.consumers]
+        assert meta["topic"] == names[topic.name]
+        assert int(meta["lagThreshold"]) > 0
+        # More replicas than partitions would idle: KEDA caps at the partition count anyway.
+        assert 1 <= obj["spec"]["minReplicaCount"] <= obj["spec"]["maxReplicaCount"] <= topic.partitions
+    params = {r["parameter"] for a in auths.values() for r in a["spec"]["secretTargetRef"]}
+    assert {"sasl", "tls", "username", "password", "ca"} <= params
+
+
+def _args(container: dict[str, Any]) -> list[str]:
+    return [a.replace("$(POD_NAME)", POD_NAME) for a in container["args"]]
+
+
+def test_every_container_runs_a_real_command_with_arguments_its_parser_takes() -> None:
+    for name, spec in pod_specs().items():
+        (container,) = spec["containers"]
+        args = _args(container)
+        parser, _ = command_parser(args[0])
+        parsed = parser.parse_args(args[1:])
+        mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+        if getattr(parsed, "config", None):
+            assert Path(parsed.config).parent.as_posix() in mounts, name
+        if getattr(parsed, "metrics_port", None):
+            ports = {p["containerPort"] for p in container["ports"]}
+            assert parsed.metrics_port in ports, name
+        assert container["image"] == "stream-rl:latest", shlex.join(args)
+
+
+def _mounted_from(spec: dict[str, Any], path: str) -> tuple[str, str]:
+    """(volume source, key or claim) of the file or directory `path` in a pod's only container."""
+    (container,) = spec["containers"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for m in container["volumeMounts"]:
+        root = m["mountPath"]
+        if path == root or path.startswith(root + "/"):
+            vol = volumes[m["name"]]
+            rest = path[len(root) + 1 :]
+            if "secret" in vol:
+                items = {i["path"]: i["key"] for i in vol["secret"].get("items", [])}
+                return vol["secret"]["secretName"], items.get(rest, rest)
+            if "configMap" in vol:
+                return vol["configMap"]["name"], rest
+            return "pvc", vol["persistentVolumeClaim"]["claimName"]
+    raise AssertionError(f"{path} is not mounted")
+
+
+def test_every_path_the_config_names_is_mounted() -> None:
+    cfg = run_config()
+    claims = set(by_kind("PersistentVolumeClaim"))
+    for name, spec in pod_specs().items():
+        if "--config" not in spec["containers"][0]["args"]:
+            continue  # the servers: `serve` takes its settings as flags
+        assert _mounted_from(spec, "/etc/stream-rl/run.yaml") == ("stream-rl-run", "run.yaml"), name
+        ca = _mounted_from(spec, cfg.kafka.client_properties["ssl.ca.location"])
+        assert ca == ("stream-rl-cluster-ca-cert", "ca.crt"), name
+        secret = _mounted_from(spec, cfg.kafka.secret_properties["sasl.password"].removeprefix("file:"))
+        assert secret == (cfg.kafka.client_properties["sasl.username"], "password"), name
+        for volume in spec["volumes"]:
+            if "persistentVolumeClaim" in volume:
+                assert volume["persistentVolumeClaim"]["claimName"] in claims
+    trainer = pod_specs()["stream-rl-trainer"]
+    assert _mounted_from(trainer, cfg.model.path) == ("pvc", "stream-rl-models")
+    assert _mounted_from(trainer, cfg.trainer.checkpoint_dir or "") == ("pvc", "stream-rl-runs")
+    assert _mounted_from(trainer, cfg.runs_dir) == ("pvc", "stream-rl-runs")
+
+
+def test_servers_and_trainer_agree_with_the_config() -> None:
+    cfg = run_config()
+    sts = by_kind("StatefulSet")["stream-rl-server"]
+    service = by_kind("Service")[sts["spec"]["serviceName"]]
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    parsed = command_parser("serve")[0].parse_args(container["args"][1:])
+    assert service["spec"]["clusterIP"] == "None"  # per-pod DNS names
+    assert parsed.port in {p["port"] for p in service["spec"]["ports"]}
+    assert parsed.device == cfg.inference.device == "cuda"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] >= 1
+    assert _mounted_from(sts["spec"]["template"]["spec"], parsed.model) == ("pvc", "stream-rl-models")
+    urls = [
+        f"http://{sts['metadata']['name']}-{i}.{service['metadata']['name']}:{parsed.port}"
+        for i in range(sts["spec"]["replicas"])
+    ]
+    assert cfg.inference.server_urls() == urls and cfg.inference.num_servers == 0
+    trainer = by_kind("Deployment")["stream-rl-trainer"]
+    assert trainer["spec"]["replicas"] == 1 and trainer["spec"]["strategy"]["type"] == "Recreate"
+    (tc,) = trainer["spec"]["template"]["spec"]["containers"]
+    assert tc["resources"]["limits"]["nvidia.com/gpu"] >= 1
+    sync = by_kind("Service")[cfg.trainer.sync_master_addr]
+    assert sync["spec"]["clusterIP"] == "None"  # resolves to the pod's own IP, which the store binds
+    assert cfg.trainer.sync_master_port in {p["port"] for p in sync["spec"]["ports"]}
+    assert cfg.trainer.sync_master_port in {p["containerPort"] for p in tc["ports"]}
+    assert sync["spec"]["selector"] == trainer["spec"]["selector"]["matchLabels"]
+
+
+def test_scalable_stages_take_their_pod_name_as_instance() -> None:
+    for role in ("actor", "verifier", "preprocessor"):
+        sts = by_kind("StatefulSet")[f"stream-rl-{role}"]
+        (container,) = sts["spec"]["template"]["spec"]["containers"]
+        assert container["args"][container["args"].index("--instance") + 1] == "$(POD_NAME)"
+        env = {e["name"]: e for e in container["env"]}
+        assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        assert env["STREAM_RL_METRICS_HOST"]["value"] == "0.0.0.0"
