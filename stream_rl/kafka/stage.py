@@ -27,11 +27,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from stream_rl.contracts import Contract, now_ms
+from stream_rl.contracts import Contract
 from stream_rl.errors import ContractError, KafkaError, TransactionAborted
+from stream_rl.kafka.dead_letters import DeadLetters
 from stream_rl.kafka.serde import Serde, default_serde
 from stream_rl.kafka.transport import Consumer, Message, Producer, TopicPartition, Transport
-from stream_rl.metrics import BATCH_SECONDS, DLQ, RECORDS_IN, RECORDS_OUT
+from stream_rl.metrics import BATCH_SECONDS, RECORDS_IN, RECORDS_OUT
 
 log = logging.getLogger(__name__)
 
@@ -94,17 +95,6 @@ class Reject:
     reason: str
 
 
-def dlq_headers(msg: Message, stage: str, error: str) -> dict[str, str | bytes]:
-    return {
-        "error": error[:2000],
-        "error.stage": stage,
-        "error.time_ms": str(now_ms()),
-        "original.topic": msg.topic,
-        "original.partition": str(msg.partition),
-        "original.offset": str(msg.offset),
-    }
-
-
 def next_offsets(msgs: Iterable[Message]) -> dict[TopicPartition, int]:
     """The offsets to commit after processing `msgs`: last offset + 1 per partition."""
     out: dict[TopicPartition, int] = {}
@@ -164,6 +154,7 @@ class StageLoop(Generic[T]):
         self.input_type = input_type
         self.handle = handle
         self.dlq_topic = dlq_topic
+        self.dead_letters = DeadLetters(name, dlq_topic)
         self.serde = serde or default_serde()
         self.batch_size = batch_size
         self.poll_timeout_s = poll_timeout_s
@@ -195,13 +186,7 @@ class StageLoop(Generic[T]):
         self.stats.records_out += 1
 
     def _to_dlq(self, msg: Message, error: str) -> None:
-        log.warning("%s: record %s[%d]@%d to DLQ: %s", self.name, msg.topic, msg.partition, msg.offset, error)
-        if self.dlq_topic is None:
-            raise ContractError(f"{self.name}: bad record and no DLQ configured: {error}")
-        self.producer.produce(
-            self.dlq_topic, msg.value, key=msg.key, headers=dlq_headers(msg, self.name, error)
-        )
-        DLQ.labels(self.name, msg.topic).inc()
+        self.dead_letters.write(self.producer, msg, error)
         self.stats.dlq += 1
 
     def _emit(self, results: Iterable[Output | Reject]) -> None:

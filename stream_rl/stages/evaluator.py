@@ -271,7 +271,8 @@ class Evaluator:
                     result = await self.evaluate(holding, wv.version)
                 except StreamRLError as exc:
                     log.error("%s: evaluation of version %d failed: %s", self.evaluator_id, wv.version, exc)
-                    self.stats.dlq += 1
+                    # Nothing goes to a DLQ (the input is a version, not a bad record): counted as failed.
+                    self.stats.extra["failed"] = self.stats.extra.get("failed", 0) + 1
                     continue
                 producer.produce(self.topic, self.serde.encode(result), key=self.config.run)
                 await asyncio.to_thread(producer.flush)

@@ -42,12 +42,13 @@ from pathlib import Path
 from stream_rl.config import RunConfig, load_config
 from stream_rl.contracts import EvalResult, PartitionOffset, TrainingBatch, WeightVersion, WeightVersionKind
 from stream_rl.errors import ConfigError, ContractError, KafkaError
+from stream_rl.kafka.dead_letters import DeadLetters
 from stream_rl.kafka.follower import RecordFollower
 from stream_rl.kafka.serde import Serde, default_serde
-from stream_rl.kafka.stage import StopFlag, dlq_headers
+from stream_rl.kafka.stage import StopFlag
 from stream_rl.kafka.topics import EVAL_RESULTS, TRAINING_BATCHES, WEIGHT_VERSIONS, TopicNames
 from stream_rl.kafka.transport import Consumer, Message, Producer, Transport
-from stream_rl.metrics import DLQ, RECORDS_IN, UP, serve_metrics
+from stream_rl.metrics import RECORDS_IN, UP, serve_metrics
 from stream_rl.train import metrics as tm
 from stream_rl.train.accounting import StepRunner, unusable_reason
 from stream_rl.train.checkpoint import (
@@ -112,6 +113,7 @@ class TrainerStage:
         self.names = TopicNames(run=config.run, prefix=config.kafka.prefix)
         self.input_topic = self.names.topic(TRAINING_BATCHES)
         self.dlq_topic = self.names.dlq(TRAINING_BATCHES)
+        self.dead_letters = DeadLetters(STAGE, self.dlq_topic)
         self.out_topic = self.names.topic(WEIGHT_VERSIONS)
         self.pusher = pusher if pusher is not None else make_sender(config)
         self.stop = stop if stop is not None else StopFlag()
@@ -315,10 +317,8 @@ class TrainerStage:
         return batch if reason is None else reason
 
     def _to_dlq(self, msg: Message, error: str) -> None:
-        log.warning("training-batches@%d to DLQ: %s", msg.offset, error)
-        self.producer.produce(self.dlq_topic, msg.value, key=msg.key, headers=dlq_headers(msg, STAGE, error))
+        self.dead_letters.write(self.producer, msg, error)
         self.producer.flush()
-        DLQ.labels(STAGE, msg.topic).inc()
         self.stats.dlq += 1
 
     # -- the loop ----------------------------------------------------------------------------
