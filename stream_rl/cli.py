@@ -41,8 +41,8 @@ COMMANDS: list[tuple[str, str, str]] = [
 ]
 
 
-def add_common(parser: argparse.ArgumentParser, config: bool = True, bounded: bool = False) -> None:
-    """Options shared by the stage commands."""
+def add_common(parser: argparse.ArgumentParser, config: bool = True) -> None:
+    """`--config`, `--set` and `--bootstrap`: the options every command that reads a run shares."""
     if config:
         parser.add_argument("--config", "-c", help="run config YAML (defaults when omitted)")
         parser.add_argument(
@@ -58,17 +58,6 @@ def add_common(parser: argparse.ArgumentParser, config: bool = True, bounded: bo
         default=None,
         help="Kafka bootstrap servers (default: config, then $STREAM_RL_KAFKA_BOOTSTRAP)",
     )
-    if bounded:
-        parser.add_argument("--max-records", type=int, default=None, help="stop after N input records")
-        parser.add_argument(
-            "--idle-timeout", type=float, default=None, help="stop after S seconds without input"
-        )
-        parser.add_argument(
-            "--metrics-port",
-            type=int,
-            default=None,
-            help="serve Prometheus /metrics on this port (0 = any free port)",
-        )
 
 
 def _top_parser() -> argparse.ArgumentParser:
