@@ -21,7 +21,7 @@ sample reaches `training-batches` exactly once and every group is complete (or d
   their sample count rides in `TrainingBatch.num_filtered`, as does the group size of a group
   dead-lettered after `group_timeout_s`, so the trainer's `samples_consumed` (the actor's
   admission) accounts for every admitted sample.
-- Packing: `packing.pack` (in arrival order, `max_tokens_per_microbatch`, `max_batch_bytes`).
+- Packing: `micro_batches.pack` (in arrival order, `max_tokens_per_microbatch`, `max_batch_bytes`).
 - Backpressure: before each poll, hold while the offsets of `training-batches` written but not
   consumed by the trainer (as its latest `WeightVersion` reports) exceed `max_untrained_batches`,
   raised at run time to two optimizer steps' worth so that the trainer can always step.
@@ -53,7 +53,7 @@ from stream_rl.kafka.transport import Message, TopicPartition, Transport
 from stream_rl.metrics import DUPLICATES
 from stream_rl.stages.entry import Instance, add_stage_arguments, open_transport, run_stage_command
 from stream_rl.stages.grouping import Added, PartitionGroups, group_advantages, training_samples
-from stream_rl.stages.packing import pack
+from stream_rl.stages.micro_batches import pack
 
 log = logging.getLogger(__name__)
 

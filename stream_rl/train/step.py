@@ -1,7 +1,7 @@
 """The model step of the trainer: micro-batch forward/backward and one AdamW step.
 
 Contract:
-- `PolicyTrainer.micro_batch(samples)` packs the samples (`stream_rl.train.packing`), recomputes
+- `PolicyTrainer.micro_batch(samples)` packs the samples (`stream_rl.train.rows`), recomputes
   the completion tokens' logprobs at the sampling temperature (`log_softmax(logits / T)` at the
   next-token labels; the LM head runs on completion positions only), and back-propagates the
   *summed* policy loss (`stream_rl.rl.losses.policy_loss` with `num_sequences=1`). Gradients
@@ -38,8 +38,8 @@ from stream_rl.rl.logprobs import token_entropy, token_logprobs
 from stream_rl.rl.losses import LossOutput, policy_loss
 from stream_rl.rl.schedule import make_lr_lambda
 from stream_rl.rl.stats import TokenStats
-from stream_rl.train.packing import PackedBatch, pack_samples
 from stream_rl.train.precision import MasterWeights
+from stream_rl.train.rows import PackedBatch, pack_samples
 
 MASTER_WEIGHTS_FILE = "master_weights.pt"
 """Checkpoint file of the float32 master weights of a bf16 model (absent for float32 models)."""

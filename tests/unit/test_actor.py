@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 from fakes.inference import END, FakeServer, FakeTokenizer, factory, render
+from fakes.records import make_problem, make_weight_version
 
 from stream_rl.config import RunConfig
 from stream_rl.contracts import Problem, Rollout
@@ -19,7 +20,6 @@ from stream_rl.kafka.topics import PROBLEMS, RAW_ROLLOUTS, WEIGHT_VERSIONS, Topi
 from stream_rl.stages import actor, loader
 from stream_rl.stages.rollouts import sample_seed
 from stream_rl.tasks.guessing import score_guessing
-from stream_rl.testing import make_problem, make_weight_version
 
 pytestmark = pytest.mark.unit
 

@@ -7,13 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
+from fakes.records import examples, make_batch, make_rollout
 from fastavro import parse_schema, schemaless_reader
 from fastavro.schema import fingerprint, to_parsing_canonical_form
 
 from stream_rl.contracts import CONTRACTS, Rollout, TrainingBatch, VersionSpan, token_versions
 from stream_rl.errors import ContractError
 from stream_rl.kafka.serde import MAGIC, Serde, schema_dir
-from stream_rl.testing import examples, make_batch, make_rollout
 
 pytestmark = pytest.mark.unit
 

@@ -10,6 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from fakes.training import (
+    FakePusher,
+    make_batches,
+    make_tiny_model,
+    produce_batches,
+    setup_topics,
+    stage_config,
+)
 
 from stream_rl.contracts import ScoredRollout, TrainingBatch, VersionSpan, WeightVersion, WeightVersionKind
 from stream_rl.errors import ContractError
@@ -18,14 +26,6 @@ from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.topics import WEIGHT_VERSIONS
 from stream_rl.stages import trainer as trainer_stage
 from stream_rl.train.dedupe import TrainedIds
-from stream_rl.train.testing import (
-    FakePusher,
-    make_batches,
-    make_tiny_model,
-    produce_batches,
-    setup_topics,
-    stage_config,
-)
 from stream_rl.watchdog import Sample, Watchdog
 
 pytestmark = pytest.mark.unit
@@ -71,7 +71,7 @@ def test_training_samples_with_bad_numbers_are_refused(change) -> None:  # type:
 
 
 def test_rewards_and_logprobs_of_scored_rollouts_are_checked() -> None:
-    from stream_rl.testing import make_scored
+    from fakes.records import make_scored
 
     good = make_scored()
     SERDE.decode(SERDE.encode(good), ScoredRollout)
@@ -372,7 +372,9 @@ def test_the_run_summary_line_survives_a_run_without_rewards(capsys) -> None:  #
     _print_summary({"exit_reason": "stopped", "wall_s": None, "reward": {"first3_mean": None}}, Path("r"))
     assert "no version trained by this invocation" in capsys.readouterr().out
     trained = {"count": 2, "first": 1, "last": 2}
-    _print_summary({"exit_reason": "stopped", "versions": trained, "reward": {"first3_mean": None}}, Path("r"))
+    _print_summary(
+        {"exit_reason": "stopped", "versions": trained, "reward": {"first3_mean": None}}, Path("r")
+    )
     assert "trained versions 1-2, reward - -> -" in capsys.readouterr().out
 
 
