@@ -36,7 +36,7 @@ import httpx
 import torch
 
 from stream_rl.config import SamplingConfig, load_config
-from stream_rl.inference.client import make_client
+from stream_rl.inference.clients import make_client
 from stream_rl.inference.model_maker import make_model
 from stream_rl.inference.servers import launch_for
 from stream_rl.kafka.broker import free_port

@@ -23,7 +23,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("verifier", "stream_rl.stages.verifier", "score rollouts with the task's reward function"),
     ("preprocessor", "stream_rl.stages.preprocessor", "complete groups -> advantages -> micro-batches"),
     ("evaluator", "stream_rl.stages.evaluator", "evaluate weight versions on the task's held-out split"),
-    ("make-model", "stream_rl.inference.model_maker", "write a tiny random model + tokenizer (HF directory)"),
+    ("make-model", "stream_rl.warm_start", "write a tiny random model + tokenizer (HF directory)"),
     ("serve", "stream_rl.inference.server", "run the built-in inference server (OpenAI API + weight sync)"),
     ("run", "stream_rl.launch", "launch a whole run from a config: broker, topics, servers, stages"),
     ("report", "stream_rl.report", "re-derive a finished run's summary.json and plots"),

@@ -25,7 +25,7 @@ When it falls behind by more than `every` versions it skips the older due versio
 Sampling seeds are derived from the run seed, the version and the problem id, so an evaluation
 is reproducible. The stage exits (status 0) once the final version is evaluated.
 
-Inference calls (each server's engine client, `stream_rl.inference.client.make_client`):
+Inference calls (each server's engine client, `stream_rl.inference.clients.make_client`):
 `complete_many(messages, sampling, n=..., seed=...)` and `version()` for
 single-turn tasks (chat messages; the server applies the template) and
 `stream_rl.stages.rollouts.TurnClient` (which calls `complete`) for multi-turn tasks.

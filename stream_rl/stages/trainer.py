@@ -51,6 +51,7 @@ from stream_rl.kafka.transport import Consumer, Message, Producer, Transport
 from stream_rl.metrics import RECORDS_IN, UP
 from stream_rl.stages.entry import add_stage_arguments, open_transport, stage_config, start_stage
 from stream_rl.train import metrics as tm
+from stream_rl.train.backends import build_trainer
 from stream_rl.train.checkpoint import (
     CheckpointError,
     TrainerState,
@@ -64,7 +65,7 @@ from stream_rl.train.dedupe import TrainedIds
 from stream_rl.train.lineage import by_version, read_weight_versions
 from stream_rl.train.push import PushOutcome, WeightPusher, connect_servers, make_sender, rejoin_dropped
 from stream_rl.train.record import write_run_record
-from stream_rl.train.step import TrainerBackend, build_trainer
+from stream_rl.train.step import TrainerBackend
 from stream_rl.train.step_runner import StepRunner, unusable_reason
 
 log = logging.getLogger(__name__)

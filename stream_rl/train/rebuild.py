@@ -42,8 +42,8 @@ def rebuild_version(
     config: RunConfig, transport: Transport, version: int, *, model_path: str | None = None
 ) -> TrainerBackend:
     """A trainer backend holding exactly version `version` of the run (see the module docstring)."""
+    from stream_rl.train.backends import build_trainer
     from stream_rl.train.replay import _Reader
-    from stream_rl.train.step import build_trainer
     from stream_rl.train.step_runner import StepRunner, unusable_reason
 
     serde = default_serde()

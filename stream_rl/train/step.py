@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from stream_rl.config import RunConfig, TrainerConfig
+from stream_rl.config import TrainerConfig
 from stream_rl.contracts import TrainingSample
 from stream_rl.errors import ConfigError
 from stream_rl.modeling import enable_gradient_checkpointing, load_causal_lm
@@ -311,24 +311,3 @@ class PolicyTrainer:
 
     def close(self) -> None:
         return None
-
-
-def build_trainer(config: RunConfig, weights: str | Path | None = None) -> TrainerBackend:
-    """Determinism settings, then the model (`weights`, default `model.path`), the reference
-    model when `kl_coef > 0` (always `model.path`: the initial policy), optimizer and schedule.
-    With `trainer.backend: deepspeed` the result is a `DeepSpeedTrainer` (same interface)."""
-    tcfg = config.trainer
-    if tcfg.backend == "deepspeed":
-        from stream_rl.train.deepspeed_backend import build_deepspeed_trainer
-
-        return build_deepspeed_trainer(config, weights)
-    configure_determinism(tcfg.deterministic, tcfg.seed, tcfg.torch_threads)
-    attn = config.model.attn_implementation
-    path = weights if weights is not None else config.model.path
-    model = load_model(path, config.model.dtype, tcfg.device, attn)
-    ref = None
-    if tcfg.kl_coef > 0:
-        ref = load_model(config.model.path, config.model.dtype, tcfg.device, attn).requires_grad_(False)
-    return PolicyTrainer(
-        model, tcfg, temperature=config.actor.sampling.temperature, device=tcfg.device, ref_model=ref
-    )

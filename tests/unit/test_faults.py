@@ -137,7 +137,7 @@ def test_a_duplicated_batch_and_rollout_are_trained_once_even_across_a_restart(
 
 
 def test_a_non_finite_loss_or_gradient_is_never_applied(tmp_path: Path, model_dir: Path) -> None:
-    from stream_rl.train.step import build_trainer
+    from stream_rl.train.backends import build_trainer
 
     cfg = stage_config(tmp_path, model_dir)
     trainer = build_trainer(cfg)

@@ -13,6 +13,7 @@ from fakes.training import stage_config as make_config
 from stream_rl.contracts import TrainingBatch
 from stream_rl.kafka.memory import MemoryTransport
 from stream_rl.stages import trainer as trainer_stage
+from stream_rl.train.backends import build_trainer
 from stream_rl.train.checkpoint import (
     CheckpointError,
     TrainerState,
@@ -22,7 +23,6 @@ from stream_rl.train.checkpoint import (
     save_checkpoint,
 )
 from stream_rl.train.replay import replay_trainer
-from stream_rl.train.step import build_trainer
 
 pytestmark = pytest.mark.unit
 
