@@ -48,8 +48,9 @@ from stream_rl.contracts import Problem, Rollout
 from stream_rl.errors import ContractError, KafkaError
 from stream_rl.kafka.dead_letters import DeadLetters
 from stream_rl.kafka.follower import VersionFollower
+from stream_rl.kafka.offsets import OffsetTracker
 from stream_rl.kafka.serde import default_serde
-from stream_rl.kafka.stage import OffsetTracker, StageStats, StopFlag
+from stream_rl.kafka.stage import StageStats, StopFlag
 from stream_rl.kafka.topics import PROBLEMS, RAW_ROLLOUTS, TopicNames
 from stream_rl.kafka.transport import Message, TopicPartition, Transport
 from stream_rl.metrics import DUPLICATES, RECORDS_IN, RECORDS_OUT

@@ -8,8 +8,9 @@ from fakes.records import make_problem, make_rollout
 from stream_rl.contracts import Problem, Rollout
 from stream_rl.errors import ContractError
 from stream_rl.kafka.memory import MemoryTransport
+from stream_rl.kafka.offsets import OffsetTracker
 from stream_rl.kafka.serde import default_serde
-from stream_rl.kafka.stage import Incoming, OffsetTracker, Output, Reject, StageLoop, StopFlag
+from stream_rl.kafka.stage import Incoming, Output, Reject, StageLoop, StopFlag
 from stream_rl.kafka.transport import Message
 
 pytestmark = pytest.mark.unit
