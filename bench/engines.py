@@ -36,7 +36,7 @@ import httpx
 import torch
 
 from stream_rl.config import SamplingConfig, load_config
-from stream_rl.inference.client import make_client
+from stream_rl.inference.clients import make_client
 from stream_rl.inference.model_maker import make_model
 from stream_rl.inference.servers import launch_for
 from stream_rl.kafka.broker import free_port
@@ -195,7 +195,7 @@ def demo_run(engine: str, model: Path, repeat: int, runs_dir: Path, target: floa
     sys.path.insert(0, str(REPO / "bench"))
     from run_probe import time_to_target, versions_of
 
-    from stream_rl.monitor import load_timeline
+    from stream_rl.report import load_timeline
 
     run = f"engines-{engine}-r{repeat}-{int(time.time())}"
     broker = tempfile.mkdtemp(prefix=f"{run}-kafka-")

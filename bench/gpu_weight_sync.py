@@ -32,8 +32,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # the test builders (tests/fakes)
 
-from stream_rl.inference.testing import random_weights  # noqa: E402
+from fakes.server_thread import random_weights  # noqa: E402
+
 from stream_rl.train.step import load_model  # noqa: E402
 from stream_rl.weights import ServerEndpoint  # noqa: E402
 from stream_rl.weights.transport import make_builtin_sender  # noqa: E402

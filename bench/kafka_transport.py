@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -24,7 +25,10 @@ from stream_rl.contracts import Rollout
 from stream_rl.kafka.broker import LocalBroker, free_port
 from stream_rl.kafka.client import KafkaTransport
 from stream_rl.kafka.serde import default_serde
-from stream_rl.testing import make_rollout
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test builders (tests/fakes)
+
+from fakes.records import make_rollout  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "kafka_transport.json"
 

@@ -49,7 +49,7 @@ from run_probe import RunProbe, analyze, centered_mean, machine_busy_s
 
 from stream_rl.config import load_config
 from stream_rl.kafka.broker import free_port
-from stream_rl.monitor import load_timeline
+from stream_rl.report import load_timeline
 
 RESULTS = Path(__file__).parent / "results"
 MODES: dict[str, list[str]] = {

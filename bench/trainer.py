@@ -25,6 +25,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -35,9 +36,12 @@ import torch
 
 from stream_rl.config import TrainerConfig
 from stream_rl.contracts import TrainingSample
-from stream_rl.train.packing import pack_samples
+from stream_rl.train.rows import pack_samples
 from stream_rl.train.step import PolicyTrainer, configure_determinism, load_model
-from stream_rl.train.testing import make_sample, make_tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test builders (tests/fakes)
+
+from fakes.training import make_sample, make_tiny_model  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "trainer.json"
 

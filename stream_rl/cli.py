@@ -23,7 +23,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("verifier", "stream_rl.stages.verifier", "score rollouts with the task's reward function"),
     ("preprocessor", "stream_rl.stages.preprocessor", "complete groups -> advantages -> micro-batches"),
     ("evaluator", "stream_rl.stages.evaluator", "evaluate weight versions on the task's held-out split"),
-    ("make-model", "stream_rl.inference.model_maker", "write a tiny random model + tokenizer (HF directory)"),
+    ("make-model", "stream_rl.warm_start", "write a tiny random model + tokenizer (HF directory)"),
     ("serve", "stream_rl.inference.server", "run the built-in inference server (OpenAI API + weight sync)"),
     ("run", "stream_rl.launch", "launch a whole run from a config: broker, topics, servers, stages"),
     ("report", "stream_rl.report", "re-derive a finished run's summary.json and plots"),
@@ -41,8 +41,8 @@ COMMANDS: list[tuple[str, str, str]] = [
 ]
 
 
-def add_common(parser: argparse.ArgumentParser, config: bool = True, bounded: bool = False) -> None:
-    """Options shared by the stage commands."""
+def add_common(parser: argparse.ArgumentParser, config: bool = True) -> None:
+    """`--config`, `--set` and `--bootstrap`: the options every command that reads a run shares."""
     if config:
         parser.add_argument("--config", "-c", help="run config YAML (defaults when omitted)")
         parser.add_argument(
@@ -58,17 +58,6 @@ def add_common(parser: argparse.ArgumentParser, config: bool = True, bounded: bo
         default=None,
         help="Kafka bootstrap servers (default: config, then $STREAM_RL_KAFKA_BOOTSTRAP)",
     )
-    if bounded:
-        parser.add_argument("--max-records", type=int, default=None, help="stop after N input records")
-        parser.add_argument(
-            "--idle-timeout", type=float, default=None, help="stop after S seconds without input"
-        )
-        parser.add_argument(
-            "--metrics-port",
-            type=int,
-            default=None,
-            help="serve Prometheus /metrics on this port (0 = any free port)",
-        )
 
 
 def _top_parser() -> argparse.ArgumentParser:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import IO, Any
 
 from tqdm import tqdm
@@ -183,7 +182,7 @@ class RunMonitor:
             self._bar.close()
 
     def finish(self, wall_s: float, exit_reason: str, failed: str | None) -> dict[str, Any]:
-        from stream_rl.report import summarize, write_plots
+        from stream_rl.report import load_timeline, summarize, write_plots
 
         if self._timeline is not None:
             self._timeline.close()
@@ -198,12 +197,3 @@ class RunMonitor:
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         write_plots(load_timeline(self._timeline_path), self.run_dir / "plots")
         return summary
-
-
-def load_timeline(path: Path) -> list[dict[str, Any]]:
-    """The records of the latest run in a timeline file (a relaunch appends a new `start`)."""
-    if not path.exists():
-        return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    starts = [i for i, r in enumerate(records) if r.get("kind") == "start"]
-    return records[starts[-1] :] if starts else records

@@ -132,6 +132,15 @@ def summarize(
     }
 
 
+def load_timeline(path: Path) -> list[dict[str, Any]]:
+    """The records of the latest run in a timeline file (a relaunch appends a new `start`)."""
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    starts = [i for i, r in enumerate(records) if r.get("kind") == "start"]
+    return records[starts[-1] :] if starts else records
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, help="run name")
     p.add_argument("--runs-dir", default="runs")
@@ -140,7 +149,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from stream_rl.config import load_config
     from stream_rl.errors import StreamRLError
-    from stream_rl.monitor import load_timeline
 
     run_dir = Path(args.runs_dir) / args.run
     timeline = load_timeline(run_dir / "timeline.jsonl")

@@ -135,7 +135,7 @@ def sink_options(config: RunConfig, overrides: dict[str, Any]) -> dict[str, Any]
 
 def backfill(config: RunConfig, transport: Transport, sinks: list[Sink]) -> int:
     """Log everything the run's topics hold into `sinks`; returns the versions logged."""
-    from stream_rl.monitor import load_timeline
+    from stream_rl.report import load_timeline
     from stream_rl.train.lineage import read_weight_versions
 
     names = TopicNames(run=config.run, prefix=config.kafka.prefix)

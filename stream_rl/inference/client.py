@@ -1,4 +1,5 @@
 """Clients of inference servers: one per engine, every one returning `Completion`s.
+`stream_rl.inference.clients.make_client` picks a server's by its engine:
 
     async with make_client("builtin", "http://127.0.0.1:8100") as client:
         c = await client.complete([4, 9, 13], SamplingConfig(max_tokens=8))
@@ -25,7 +26,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from stream_rl.config import SamplingConfig
-from stream_rl.errors import BadRequestError, ConfigError, InferenceError
+from stream_rl.errors import BadRequestError, InferenceError
 from stream_rl.inference.completion import Completion
 
 Messages = list[dict[str, Any]]
@@ -198,21 +199,3 @@ class BuiltinClient(InferenceClient):
             raise InferenceError(
                 f"{self.base_url}/v1/models: no version in {quote(json.dumps(data))}"
             ) from exc
-
-
-ENGINES = ("builtin", "vllm", "sglang")
-
-
-def make_client(engine: str, base_url: str, *, timeout_s: float = 120.0) -> InferenceClient:
-    """The client of a server of `engine` (`builtin`, `vllm`, `sglang`)."""
-    if engine == "builtin":
-        return BuiltinClient(base_url, timeout_s=timeout_s)
-    if engine == "vllm":
-        from stream_rl.inference.vllm_client import VLLMClient
-
-        return VLLMClient(base_url, timeout_s=timeout_s)
-    if engine == "sglang":
-        from stream_rl.inference.sglang_client import SGLangClient
-
-        return SGLangClient(base_url, timeout_s=timeout_s)
-    raise ConfigError(f"inference engine must be one of {', '.join(ENGINES)}, got {engine!r}")

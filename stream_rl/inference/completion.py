@@ -1,7 +1,7 @@
 """`Completion`: one model call's result, the one type every engine's client returns.
 
 The actor, the multi-turn tasks (`ModelClient`) and the rollout builder all take this type;
-each engine's client (`stream_rl.inference.client.make_client`) maps that engine's own response
+each engine's client (`stream_rl.inference.clients.make_client`) maps that engine's own response
 fields into it, so nothing downstream knows which engine answered.
 
 - `prompt_token_ids`: the prompt as the server tokenized it (chat template applied).

@@ -17,7 +17,6 @@ and the assistant answers `82<|end|>`: `<|end|>` ends a turn and is the eos toke
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -192,64 +191,3 @@ def count_parameters(path: str | Path) -> int:
 
     model = AutoModelForCausalLM.from_pretrained(path)
     return sum(p.numel() for p in model.parameters())
-
-
-def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size")
-    parser.add_argument("--out", required=True, help="output directory (a Hugging Face model directory)")
-    parser.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"], help="architecture")
-    parser.add_argument("--seed", type=int, default=0, help="initialisation seed")
-    parser.add_argument("--overwrite", action="store_true", help="replace a model already in --out")
-    parser.add_argument(
-        "--untie-embeddings", action="store_true", help="give the lm_head its own weight (default: tied)"
-    )
-    ws = parser.add_argument_group("warm start (supervised, on a task's format; see stream_rl/warm_start.py)")
-    ws.add_argument(
-        "--warm-start", metavar="TASK", default=None, help="fine-tune on TASK's ideal completions"
-    )
-    ws.add_argument(
-        "--task-params", default="{}", help="the task's params as YAML/JSON, e.g. '{max_operand: 49}'"
-    )
-    ws.add_argument("--sft-steps", type=int, default=800, help="supervised steps (batch 64)")
-    ws.add_argument("--sft-lr", type=float, default=1e-3, help="AdamW learning rate")
-    ws.add_argument(
-        "--label-smoothing",
-        type=float,
-        default=0.35,
-        help="probability share spread over the vocabulary: the higher, the noisier sampling",
-    )
-
-
-def main_make_model(args: argparse.Namespace) -> int:
-    out = make_model(
-        args.out,
-        args.preset,
-        seed=args.seed,
-        arch=args.arch,
-        overwrite=args.overwrite,
-        tie_embeddings=not args.untie_embeddings,
-    )
-    print(f"wrote {args.arch} preset {args.preset} ({count_parameters(out):,} parameters) to {out}")
-    if args.warm_start:
-        import json
-
-        import yaml
-
-        from stream_rl.warm_start import warm_start
-
-        params = yaml.safe_load(args.task_params) or {}
-        report = warm_start(
-            out,
-            args.warm_start,
-            params,
-            steps=args.sft_steps,
-            lr=args.sft_lr,
-            label_smoothing=args.label_smoothing,
-            seed=args.seed,
-        )
-        (out / "warm_start.json").write_text(json.dumps(report.to_dict(), indent=2))
-        print(
-            f"warm start on {report.task}: {report.steps} steps in {report.seconds:.0f}s; accuracy sampled at "
-            f"T=1 {report.sampled_accuracy:.2f}, greedy {report.greedy_accuracy:.2f} (RL starts from the former)"
-        )
-    return 0

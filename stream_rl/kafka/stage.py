@@ -13,8 +13,8 @@ stage's partition state is rebuilt (`on_revoke` then `on_assign` of the assignme
 restart, so nothing is lost or emitted twice. Runs can be bounded by record count or idle time (tests drive real
 stages to completion without sleeps).
 
-Stages whose work completes out of order (the actor) use `OffsetTracker` with the same
-transport instead of `StageLoop`.
+Stages whose work completes out of order (the actor) use `stream_rl.kafka.offsets.OffsetTracker`
+with the same transport instead of `StageLoop`.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from stream_rl.contracts import Contract, now_ms
+from stream_rl.contracts import Contract
 from stream_rl.errors import ContractError, KafkaError, TransactionAborted
+from stream_rl.kafka.dead_letters import DeadLetters
 from stream_rl.kafka.serde import Serde, default_serde
 from stream_rl.kafka.transport import Consumer, Message, Producer, TopicPartition, Transport
-from stream_rl.metrics import BATCH_SECONDS, DLQ, RECORDS_IN, RECORDS_OUT
+from stream_rl.metrics import BATCH_SECONDS, RECORDS_IN, RECORDS_OUT
 
 log = logging.getLogger(__name__)
 
@@ -94,17 +95,6 @@ class Reject:
     reason: str
 
 
-def dlq_headers(msg: Message, stage: str, error: str) -> dict[str, str | bytes]:
-    return {
-        "error": error[:2000],
-        "error.stage": stage,
-        "error.time_ms": str(now_ms()),
-        "original.topic": msg.topic,
-        "original.partition": str(msg.partition),
-        "original.offset": str(msg.offset),
-    }
-
-
 def next_offsets(msgs: Iterable[Message]) -> dict[TopicPartition, int]:
     """The offsets to commit after processing `msgs`: last offset + 1 per partition."""
     out: dict[TopicPartition, int] = {}
@@ -164,6 +154,7 @@ class StageLoop(Generic[T]):
         self.input_type = input_type
         self.handle = handle
         self.dlq_topic = dlq_topic
+        self.dead_letters = DeadLetters(name, dlq_topic)
         self.serde = serde or default_serde()
         self.batch_size = batch_size
         self.poll_timeout_s = poll_timeout_s
@@ -195,13 +186,7 @@ class StageLoop(Generic[T]):
         self.stats.records_out += 1
 
     def _to_dlq(self, msg: Message, error: str) -> None:
-        log.warning("%s: record %s[%d]@%d to DLQ: %s", self.name, msg.topic, msg.partition, msg.offset, error)
-        if self.dlq_topic is None:
-            raise ContractError(f"{self.name}: bad record and no DLQ configured: {error}")
-        self.producer.produce(
-            self.dlq_topic, msg.value, key=msg.key, headers=dlq_headers(msg, self.name, error)
-        )
-        DLQ.labels(self.name, msg.topic).inc()
+        self.dead_letters.write(self.producer, msg, error)
         self.stats.dlq += 1
 
     def _emit(self, results: Iterable[Output | Reject]) -> None:
@@ -365,58 +350,3 @@ class StageLoop(Generic[T]):
                 self._commit(force=True)  # flushed output: its input offsets (drain)
         finally:
             self.consumer.close()
-
-
-class OffsetTracker:
-    """Commit bookkeeping for out-of-order completion: offsets become committable only when
-    every earlier offset of the partition is done. `committable()` returns, per partition,
-    the next offset after the longest done prefix."""
-
-    def __init__(self) -> None:
-        self._pending: dict[TopicPartition, dict[int, bool]] = {}
-        self._next: dict[TopicPartition, int] = {}
-        self._lock = threading.Lock()
-
-    def started(self, msg: Message) -> None:
-        with self._lock:
-            self._pending.setdefault(msg.tp, {})[msg.offset] = False
-            self._next.setdefault(msg.tp, msg.offset)
-
-    def tracks(self, msg: Message) -> bool:
-        """Was `msg` started and not forgotten (its partition not revoked since)?"""
-        with self._lock:
-            return msg.offset in self._pending.get(msg.tp, {})
-
-    def done(self, msg: Message) -> None:
-        with self._lock:
-            part = self._pending.get(msg.tp)
-            if part is None or msg.offset not in part:
-                raise KafkaError(f"offset {msg.offset} of {msg.tp} was never started")
-            part[msg.offset] = True
-
-    def committable(self) -> dict[TopicPartition, int]:
-        """Advance over done offsets and return the new commit points (only those that moved)."""
-        out: dict[TopicPartition, int] = {}
-        with self._lock:
-            for tp, part in self._pending.items():
-                moved = False
-                for off in sorted(part):
-                    if not part[off]:
-                        break
-                    del part[off]
-                    self._next[tp] = off + 1
-                    moved = True
-                if moved:
-                    out[tp] = self._next[tp]
-        return out
-
-    def in_flight(self) -> int:
-        with self._lock:
-            return sum(1 for part in self._pending.values() for done in part.values() if not done)
-
-    def forget(self, partitions: Iterable[TopicPartition]) -> None:
-        """Drop the bookkeeping of revoked partitions (their work will be redone elsewhere)."""
-        with self._lock:
-            for tp in partitions:
-                self._pending.pop(tp, None)
-                self._next.pop(tp, None)

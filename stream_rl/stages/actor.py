@@ -46,12 +46,14 @@ from prometheus_client import Counter, Gauge
 from stream_rl.config import RunConfig
 from stream_rl.contracts import Problem, Rollout
 from stream_rl.errors import ContractError, KafkaError
+from stream_rl.kafka.dead_letters import DeadLetters
 from stream_rl.kafka.follower import VersionFollower
+from stream_rl.kafka.offsets import OffsetTracker
 from stream_rl.kafka.serde import default_serde
-from stream_rl.kafka.stage import OffsetTracker, StageStats, StopFlag, dlq_headers
+from stream_rl.kafka.stage import StageStats, StopFlag
 from stream_rl.kafka.topics import PROBLEMS, RAW_ROLLOUTS, TopicNames
 from stream_rl.kafka.transport import Message, TopicPartition, Transport
-from stream_rl.metrics import DLQ, DUPLICATES, RECORDS_IN, RECORDS_OUT
+from stream_rl.metrics import DUPLICATES, RECORDS_IN, RECORDS_OUT
 from stream_rl.stages.admission import Admission, Key, read_group_view
 from stream_rl.stages.entry import Instance, add_stage_arguments, open_transport, run_stage_command
 from stream_rl.stages.problem_order import ProblemOrder
@@ -98,6 +100,7 @@ class Actor:
         self.topic = self.names[PROBLEMS]
         self.out_topic = self.names[RAW_ROLLOUTS]
         self.dlq_topic = self.names.dlq(PROBLEMS)
+        self.dead_letters = DeadLetters("actor", self.dlq_topic)
         self.group = self.names.group("actor")
         self.actor_id = f"actor-{instance}"
         self.instance_id = f"{config.kafka.prefix}.{config.run}.actor.{instance}"
@@ -177,14 +180,8 @@ class Actor:
             )
 
     def _dead_letter(self, msg: Message, error: str) -> None:
-        log.warning(
-            "%s: problem %s[%d]@%d to the DLQ: %s", self.actor_id, msg.topic, msg.partition, msg.offset, error
-        )
-        self.producer.produce(
-            self.dlq_topic, msg.value, key=msg.key, headers=dlq_headers(msg, "actor", error)
-        )
+        self.dead_letters.write(self.producer, msg, error)
         self.admission.dlq_written()
-        DLQ.labels("actor", msg.topic).inc()
         self.stats.dlq += 1
 
     def _accept(self, msgs: list[Message]) -> None:

@@ -3,6 +3,9 @@
     stream-rl actor --config run.yaml [--bootstrap HOST:PORT] [--instance ID] [--max-records N]
                     [--idle-timeout S] [--metrics-port P] [--set actor.group_size=4]
 
+The trainer takes the same options with `--max-steps N` for `--max-records N` (it is bounded by
+versions, not records), and only `--instance 0` (one trainer per run).
+
 `--instance` names one process among a stage's processes: the launcher passes 0, 1, 2...,
 `docker compose` the container's hostname. It goes into client ids, the static group member id
 and the preprocessor's transactional id, so it must be unique per replica and stable across
@@ -19,12 +22,16 @@ import argparse
 import logging
 import re
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from stream_rl.cli import add_common
 from stream_rl.config import RunConfig, load_config
 from stream_rl.kafka.stage import StageStats, StopFlag
 from stream_rl.kafka.transport import Transport
 from stream_rl.metrics import UP, serve_metrics
+
+if TYPE_CHECKING:
+    from stream_rl.kafka.client import KafkaTransport
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +52,20 @@ def instance_id(value: str) -> str:
     return value
 
 
-def add_stage_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--config/--set/--bootstrap`, the bounds, `--metrics-port` and `--instance`."""
-    add_common(parser, bounded=True)
+def add_stage_arguments(
+    parser: argparse.ArgumentParser, bound: str = "records", bound_help: str = "stop after N input records"
+) -> None:
+    """`--config/--set/--bootstrap`, the bounds (`--max-{bound}`, `--idle-timeout`), `--metrics-port`
+    and `--instance`."""
+    add_common(parser)
+    parser.add_argument(f"--max-{bound}", type=int, default=None, help=bound_help)
+    parser.add_argument("--idle-timeout", type=float, default=None, help="stop after S seconds without input")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus /metrics on this port (0 = any free port)",
+    )
     parser.add_argument(
         "--instance",
         type=instance_id,
@@ -57,18 +75,26 @@ def add_stage_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def open_transport(config: RunConfig, transport: Transport | None) -> Transport:
-    """The given transport, or a Kafka one for the configured (or resolved) bootstrap."""
-    if transport is not None:
-        return transport
+def kafka_transport(config: RunConfig) -> KafkaTransport:
+    """The Kafka transport of a stage: the configured bootstrap, else `$STREAM_RL_KAFKA_BOOTSTRAP`,
+    else the local broker recorded in `kafka.data_dir`; `kafka.outage_timeout_s` and
+    `kafka.compression` applied. Nothing is contacted yet."""
     from stream_rl.kafka.broker import resolve_bootstrap
     from stream_rl.kafka.client import KafkaTransport
 
-    kafka = KafkaTransport.for_config(
+    return KafkaTransport.for_config(
         config.kafka,
         resolve_bootstrap(None, config.kafka.bootstrap, config.kafka.data_dir),
         outage_s=config.kafka.outage_timeout_s,
+        compression=config.kafka.compression,
     )
+
+
+def open_transport(config: RunConfig, transport: Transport | None) -> Transport:
+    """The given transport, or `kafka_transport(config)` once the broker answers."""
+    if transport is not None:
+        return transport
+    kafka = kafka_transport(config)
     kafka.check_reachable()  # a wrong address is one line within seconds, not librdkafka's retries
     return kafka
 
@@ -81,14 +107,21 @@ def stage_config(args: argparse.Namespace) -> RunConfig:
     return load_config(args.config, overrides)
 
 
+def start_stage(name: str, metrics_port: int | None) -> StopFlag:
+    """Install the signal handlers (SIGTERM/SIGINT set the returned flag) and serve `/metrics` on
+    `metrics_port` (None: not served)."""
+    stop = StopFlag()
+    stop.install_signal_handlers()
+    if metrics_port is not None:
+        port = serve_metrics(metrics_port)
+        log.info("%s: metrics on http://127.0.0.1:%d/metrics", name, port)
+    return stop
+
+
 def run_stage_command(name: str, run: StageRun, args: argparse.Namespace) -> int:
     """Load the config, install the signal handlers, serve metrics, run the stage, print a summary."""
     config = stage_config(args)
-    stop = StopFlag()
-    stop.install_signal_handlers()
-    if args.metrics_port is not None:
-        port = serve_metrics(args.metrics_port)
-        log.info("%s: metrics on http://127.0.0.1:%d/metrics", name, port)
+    stop = start_stage(name, args.metrics_port)
     UP.labels(name).set(1)
     try:
         stats = run(

@@ -25,7 +25,7 @@ When it falls behind by more than `every` versions it skips the older due versio
 Sampling seeds are derived from the run seed, the version and the problem id, so an evaluation
 is reproducible. The stage exits (status 0) once the final version is evaluated.
 
-Inference calls (each server's engine client, `stream_rl.inference.client.make_client`):
+Inference calls (each server's engine client, `stream_rl.inference.clients.make_client`):
 `complete_many(messages, sampling, n=..., seed=...)` and `version()` for
 single-turn tasks (chat messages; the server applies the template) and
 `stream_rl.stages.rollouts.TurnClient` (which calls `complete`) for multi-turn tasks.
@@ -271,7 +271,8 @@ class Evaluator:
                     result = await self.evaluate(holding, wv.version)
                 except StreamRLError as exc:
                     log.error("%s: evaluation of version %d failed: %s", self.evaluator_id, wv.version, exc)
-                    self.stats.dlq += 1
+                    # Nothing goes to a DLQ (the input is a version, not a bad record): counted as failed.
+                    self.stats.extra["failed"] = self.stats.extra.get("failed", 0) + 1
                     continue
                 producer.produce(self.topic, self.serde.encode(result), key=self.config.run)
                 await asyncio.to_thread(producer.flush)

@@ -21,7 +21,7 @@ sample reaches `training-batches` exactly once and every group is complete (or d
   their sample count rides in `TrainingBatch.num_filtered`, as does the group size of a group
   dead-lettered after `group_timeout_s`, so the trainer's `samples_consumed` (the actor's
   admission) accounts for every admitted sample.
-- Packing: `packing.pack` (in arrival order, `max_tokens_per_microbatch`, `max_batch_bytes`).
+- Packing: `micro_batches.pack` (in arrival order, `max_tokens_per_microbatch`, `max_batch_bytes`).
 - Backpressure: before each poll, hold while the offsets of `training-batches` written but not
   consumed by the trainer (as its latest `WeightVersion` reports) exceed `max_untrained_batches`,
   raised at run time to two optimizer steps' worth so that the trainer can always step.
@@ -43,16 +43,17 @@ from prometheus_client import Counter
 from stream_rl.config import RunConfig
 from stream_rl.contracts import PartialGroup, PendingSample, ScoredRollout, TrainingSample, now_ms
 from stream_rl.errors import ConfigError
+from stream_rl.kafka.dead_letters import DeadLetters
 from stream_rl.kafka.follower import VersionFollower
 from stream_rl.kafka.reader import read_to_end
 from stream_rl.kafka.serde import default_serde
-from stream_rl.kafka.stage import Incoming, Output, Reject, StageLoop, StageStats, StopFlag, dlq_headers
+from stream_rl.kafka.stage import Incoming, Output, Reject, StageLoop, StageStats, StopFlag
 from stream_rl.kafka.topics import SCORED, TRAINING_BATCHES, TopicNames
 from stream_rl.kafka.transport import Message, TopicPartition, Transport
-from stream_rl.metrics import DLQ, DUPLICATES
+from stream_rl.metrics import DUPLICATES
 from stream_rl.stages.entry import Instance, add_stage_arguments, open_transport, run_stage_command
 from stream_rl.stages.grouping import Added, PartitionGroups, group_advantages, training_samples
-from stream_rl.stages.packing import pack
+from stream_rl.stages.micro_batches import pack
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class Preprocessor:
         self.scored_topic = scored_topic or self.names[SCORED]
         self.state_topic = self.names[STATE]
         self.batches_topic = self.names[TRAINING_BATCHES]
+        self.dead_letters = DeadLetters("preprocessor", self.names.dlq(SCORED))
         self.producer_id = f"preprocessor-{instance}"
         self.serde = default_serde()
         self.parts: dict[int, PartitionGroups] = {}
@@ -267,19 +269,13 @@ class Preprocessor:
         return out
 
     def _dead_letter(self, p: int, gid: str, pending: list[PendingSample], error: str) -> list[Output]:
-        log.warning("%s: %s: to the DLQ", self.producer_id, error)
+        """The group's samples as dead letters, inside the batch's transaction."""
         out = []
         for ps in pending:
-            msg = Message(self.scored_topic, p, ps.offset, gid.encode(), ps.record)
-            out.append(
-                Output(
-                    self.names.dlq(SCORED),
-                    ps.record,
-                    key=gid,
-                    headers=dlq_headers(msg, "preprocessor", error),
-                )
+            dl = self.dead_letters.letter(
+                Message(self.scored_topic, p, ps.offset, gid.encode(), ps.record), error
             )
-            DLQ.labels("preprocessor", self.scored_topic).inc()
+            out.append(Output(dl.topic, dl.value, key=dl.key, headers=dl.headers))
         return out
 
     # -- backpressure --------------------------------------------------------------------------

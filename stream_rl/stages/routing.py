@@ -62,8 +62,8 @@ def server_urls(config: RunConfig) -> list[str]:
 
 
 def inference_client_factory(config: RunConfig) -> ClientFactory:
-    """The HTTP client of each server's engine (`stream_rl.inference.client.make_client`)."""
-    from stream_rl.inference.client import make_client
+    """The HTTP client of each server's engine (`stream_rl.inference.clients.make_client`)."""
+    from stream_rl.inference.clients import make_client
 
     engines = {s.url: str(s.engine) for s in config.inference.server_list()}
 

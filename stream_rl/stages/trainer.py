@@ -39,17 +39,19 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from stream_rl.config import RunConfig, load_config
+from stream_rl.config import RunConfig
 from stream_rl.contracts import EvalResult, PartitionOffset, TrainingBatch, WeightVersion, WeightVersionKind
 from stream_rl.errors import ConfigError, ContractError, KafkaError
+from stream_rl.kafka.dead_letters import DeadLetters
 from stream_rl.kafka.follower import RecordFollower
 from stream_rl.kafka.serde import Serde, default_serde
-from stream_rl.kafka.stage import StopFlag, dlq_headers
+from stream_rl.kafka.stage import StopFlag
 from stream_rl.kafka.topics import EVAL_RESULTS, TRAINING_BATCHES, WEIGHT_VERSIONS, TopicNames
 from stream_rl.kafka.transport import Consumer, Message, Producer, Transport
-from stream_rl.metrics import DLQ, RECORDS_IN, UP, serve_metrics
+from stream_rl.metrics import RECORDS_IN, UP
+from stream_rl.stages.entry import add_stage_arguments, open_transport, stage_config, start_stage
 from stream_rl.train import metrics as tm
-from stream_rl.train.accounting import StepRunner, unusable_reason
+from stream_rl.train.backends import build_trainer
 from stream_rl.train.checkpoint import (
     CheckpointError,
     TrainerState,
@@ -63,7 +65,8 @@ from stream_rl.train.dedupe import TrainedIds
 from stream_rl.train.lineage import by_version, read_weight_versions
 from stream_rl.train.push import PushOutcome, WeightPusher, connect_servers, make_sender, rejoin_dropped
 from stream_rl.train.record import write_run_record
-from stream_rl.train.step import TrainerBackend, build_trainer
+from stream_rl.train.step import TrainerBackend
+from stream_rl.train.step_runner import StepRunner, unusable_reason
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +115,7 @@ class TrainerStage:
         self.names = TopicNames(run=config.run, prefix=config.kafka.prefix)
         self.input_topic = self.names.topic(TRAINING_BATCHES)
         self.dlq_topic = self.names.dlq(TRAINING_BATCHES)
+        self.dead_letters = DeadLetters(STAGE, self.dlq_topic)
         self.out_topic = self.names.topic(WEIGHT_VERSIONS)
         self.pusher = pusher if pusher is not None else make_sender(config)
         self.stop = stop if stop is not None else StopFlag()
@@ -336,10 +340,8 @@ class TrainerStage:
         return batch if reason is None else reason
 
     def _to_dlq(self, msg: Message, error: str) -> None:
-        log.warning("training-batches@%d to DLQ: %s", msg.offset, error)
-        self.producer.produce(self.dlq_topic, msg.value, key=msg.key, headers=dlq_headers(msg, STAGE, error))
+        self.dead_letters.write(self.producer, msg, error)
         self.producer.flush()
-        DLQ.labels(STAGE, msg.topic).inc()
         self.stats.dlq += 1
 
     # -- the loop ----------------------------------------------------------------------------
@@ -438,32 +440,19 @@ def run(
 ) -> TrainerStats:
     """Run the trainer stage (see the module docstring). `transport` defaults to Kafka at the
     configured bootstrap, `pusher` to a `WeightSender` for the configured servers."""
-    from stream_rl.stages.entry import open_transport
-
     stage = TrainerStage(config, open_transport(config, transport), pusher=pusher, stop=stop)
     return stage.run(max_steps=max_steps, idle_timeout_s=idle_timeout_s)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from stream_rl.cli import add_common
-
-    add_common(parser)
-    parser.add_argument("--max-steps", type=int, default=None, help="stop once the version reaches N")
-    parser.add_argument("--idle-timeout", type=float, default=None, help="stop after S seconds without input")
-    parser.add_argument(
-        "--metrics-port", type=int, default=None, help="serve /metrics here (default trainer.metrics_port)"
-    )
-    parser.add_argument(
-        "--instance", type=int, default=0, help="instance index (one trainer per run: only 0 is valid)"
-    )
+    add_stage_arguments(parser, bound="steps", bound_help="stop once the version reaches N")
 
 
 def main(args: argparse.Namespace) -> int:
-    from stream_rl.kafka.broker import resolve_bootstrap
-    from stream_rl.kafka.client import KafkaTransport
-
-    config = load_config(args.config, args.overrides)
-    if args.instance != 0:
+    """`stream-rl trainer`: the shared stage entry (`stream_rl.stages.entry`), bounded by steps;
+    `/metrics` on `--metrics-port`, else `trainer.metrics_port`."""
+    config = stage_config(args)
+    if args.instance != "0":
         raise ConfigError(
             "one trainer per run: --instance must be 0 (ranks come from the distributed launcher)"
         )
@@ -474,21 +463,11 @@ def main(args: argparse.Namespace) -> int:
         if deepspeed_backend.is_follower():
             deepspeed_backend.follow(config)
             return 0
-    transport = KafkaTransport.for_config(
-        config.kafka,
-        resolve_bootstrap(args.bootstrap, config.kafka.bootstrap),
-        outage_s=config.kafka.outage_timeout_s,
-        compression=config.kafka.compression,
-    )
-    transport.check_reachable()
     port = args.metrics_port if args.metrics_port is not None else config.trainer.metrics_port
-    if port is not None:
-        log.info("metrics on http://127.0.0.1:%d/metrics", serve_metrics(port))
-    stop = StopFlag()
-    stop.install_signal_handlers()
-    stats = run(config, transport, stop=stop, max_steps=args.max_steps, idle_timeout_s=args.idle_timeout)
+    stop = start_stage(STAGE, port)
+    stats = run(config, stop=stop, max_steps=args.max_steps, idle_timeout_s=args.idle_timeout)
     print(
         f"trainer stopped ({stats.stopped_by}): version {stats.version}, {stats.steps} steps, "
-        f"{stats.micro_batches} micro-batches, {stats.dlq} to DLQ, checksum {stats.checksum[:16]}"
+        f"{stats.micro_batches} micro-batches, {stats.dlq} to the DLQ, checksum {stats.checksum[:16]}"
     )
     return 0

@@ -1,7 +1,9 @@
 """The trainer's model side (torch), used by the `trainer` stage and `replay trainer`.
 
-- `stream_rl.train.packing`: pack a micro-batch's samples into rows (per-sample position ids,
+- `stream_rl.train.rows`: pack a micro-batch's samples into rows (per-sample position ids,
   block-diagonal causal attention), with flat per-completion-token tensors for the loss.
+- `stream_rl.train.step_runner`: `StepRunner`: one optimizer step's micro-batches, trained and counted.
+- `stream_rl.train.backends`: `build_trainer`: the run's backend (`PolicyTrainer` or DeepSpeed).
 - `stream_rl.train.step`: `PolicyTrainer`: model, AdamW, warm-up + cosine schedule; one
   micro-batch's forward/backward, one optimizer step, the weights' checksum.
 - `stream_rl.train.checkpoint`: atomic checkpoints (weights, optimizer, scheduler, RNG, counters,

@@ -47,7 +47,7 @@ from stream_rl.kafka.serde import default_serde
 from stream_rl.modeling import enable_gradient_checkpointing, untied_head_name
 from stream_rl.rl.schedule import make_lr_lambda
 from stream_rl.rl.stats import TokenStats
-from stream_rl.train.packing import pack_samples
+from stream_rl.train.rows import pack_samples
 from stream_rl.train.step import (
     MicroResult,
     StepOutcome,

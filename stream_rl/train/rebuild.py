@@ -42,9 +42,9 @@ def rebuild_version(
     config: RunConfig, transport: Transport, version: int, *, model_path: str | None = None
 ) -> TrainerBackend:
     """A trainer backend holding exactly version `version` of the run (see the module docstring)."""
-    from stream_rl.train.accounting import StepRunner, unusable_reason
+    from stream_rl.train.backends import build_trainer
     from stream_rl.train.replay import _Reader
-    from stream_rl.train.step import build_trainer
+    from stream_rl.train.step_runner import StepRunner, unusable_reason
 
     serde = default_serde()
     names = TopicNames(run=config.run, prefix=config.kafka.prefix)

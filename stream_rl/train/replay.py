@@ -110,8 +110,8 @@ def replay_trainer(
 ) -> ReplayReport:
     """Re-train the run from its topics; see the module docstring."""
     # torch only here: `stream-rl replay` also serves `replay preprocessor`, which needs none.
-    from stream_rl.train.accounting import StepRunner, unusable_reason
-    from stream_rl.train.step import build_trainer
+    from stream_rl.train.backends import build_trainer
+    from stream_rl.train.step_runner import StepRunner, unusable_reason
 
     serde = serde or default_serde()
     names = TopicNames(run=config.run, prefix=config.kafka.prefix)

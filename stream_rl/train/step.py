@@ -1,7 +1,7 @@
 """The model step of the trainer: micro-batch forward/backward and one AdamW step.
 
 Contract:
-- `PolicyTrainer.micro_batch(samples)` packs the samples (`stream_rl.train.packing`), recomputes
+- `PolicyTrainer.micro_batch(samples)` packs the samples (`stream_rl.train.rows`), recomputes
   the completion tokens' logprobs at the sampling temperature (`log_softmax(logits / T)` at the
   next-token labels; the LM head runs on completion positions only), and back-propagates the
   *summed* policy loss (`stream_rl.rl.losses.policy_loss` with `num_sequences=1`). Gradients
@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from stream_rl.config import RunConfig, TrainerConfig
+from stream_rl.config import TrainerConfig
 from stream_rl.contracts import TrainingSample
 from stream_rl.errors import ConfigError
 from stream_rl.modeling import enable_gradient_checkpointing, load_causal_lm
@@ -38,8 +38,8 @@ from stream_rl.rl.logprobs import token_entropy, token_logprobs
 from stream_rl.rl.losses import LossOutput, policy_loss
 from stream_rl.rl.schedule import make_lr_lambda
 from stream_rl.rl.stats import TokenStats
-from stream_rl.train.packing import PackedBatch, pack_samples
 from stream_rl.train.precision import MasterWeights
+from stream_rl.train.rows import PackedBatch, pack_samples
 
 MASTER_WEIGHTS_FILE = "master_weights.pt"
 """Checkpoint file of the float32 master weights of a bf16 model (absent for float32 models)."""
@@ -311,24 +311,3 @@ class PolicyTrainer:
 
     def close(self) -> None:
         return None
-
-
-def build_trainer(config: RunConfig, weights: str | Path | None = None) -> TrainerBackend:
-    """Determinism settings, then the model (`weights`, default `model.path`), the reference
-    model when `kl_coef > 0` (always `model.path`: the initial policy), optimizer and schedule.
-    With `trainer.backend: deepspeed` the result is a `DeepSpeedTrainer` (same interface)."""
-    tcfg = config.trainer
-    if tcfg.backend == "deepspeed":
-        from stream_rl.train.deepspeed_backend import build_deepspeed_trainer
-
-        return build_deepspeed_trainer(config, weights)
-    configure_determinism(tcfg.deterministic, tcfg.seed, tcfg.torch_threads)
-    attn = config.model.attn_implementation
-    path = weights if weights is not None else config.model.path
-    model = load_model(path, config.model.dtype, tcfg.device, attn)
-    ref = None
-    if tcfg.kl_coef > 0:
-        ref = load_model(config.model.path, config.model.dtype, tcfg.device, attn).requires_grad_(False)
-    return PolicyTrainer(
-        model, tcfg, temperature=config.actor.sampling.temperature, device=tcfg.device, ref_model=ref
-    )

@@ -10,6 +10,8 @@ from typing import Any
 
 import httpx
 import pytest
+from fakes.server_thread import ServerThread
+from fakes.training import make_batches, produce_batches, stage_config
 from transformers import AutoConfig
 
 from stream_rl.contracts import WeightVersionKind
@@ -17,10 +19,8 @@ from stream_rl.kafka.topics import TopicNames
 from stream_rl.stages import trainer as trainer_stage
 from stream_rl.train.lineage import read_weight_versions
 from stream_rl.train.push import PushOutcome, make_sender
-from stream_rl.train.testing import make_batches, produce_batches, stage_config
 from stream_rl.weights.checksum import weights_checksum
 
-inference_testing = pytest.importorskip("stream_rl.inference.testing")
 pytestmark = pytest.mark.e2e
 
 TOKEN = "e2e-token"
@@ -64,7 +64,7 @@ def test_trainer_updates_a_real_server_every_step(  # type: ignore[no-untyped-de
     vocab = int(AutoConfig.from_pretrained(model).vocab_size)
     produce_batches(kafka, run_names, make_batches(2 * STEPS, 2, seed=41, vocab_size=vocab))
     engine = Engine.load(model, dtype="float32", max_batch=4)
-    with inference_testing.ServerThread(engine, admin_token=TOKEN) as server:
+    with ServerThread(engine, admin_token=TOKEN) as server:
         config = stage_config(tmp_path, model, run=run_names.run, max_steps=STEPS, bucket_mb=0.05)
         config = config.model_validate(
             {

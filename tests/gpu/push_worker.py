@@ -6,7 +6,7 @@ process that made it; NCCL wants one process per GPU), pushing random weights to
 
 Prints one JSON line per version: `{"version", "t_start", "t_end", "report"}` (wall-clock
 `time.time()`, comparable with the server's in the same machine). Version v's weights are
-`stream_rl.inference.testing.random_weights(model, seed + v)`, so the test can rebuild them.
+`fakes.server_thread.random_weights(model, seed + v)`, so the test can rebuild them.
 `--die-mid-push`: start the first version's update and exit abruptly halfway through it (gloo,
 nccl: after half the buckets; cuda_ipc: right after sending the request), like a trainer killed
 mid-broadcast.
@@ -26,7 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from stream_rl.inference.testing import random_weights  # noqa: E402
+from fakes.server_thread import random_weights  # noqa: E402
+
 from stream_rl.train.step import load_model  # noqa: E402
 from stream_rl.weights import ServerEndpoint  # noqa: E402
 from stream_rl.weights.transport import make_builtin_sender  # noqa: E402

@@ -25,10 +25,10 @@ import httpx
 import pytest
 import torch
 from cuda_helpers import DEVICE, TimedEngine, Worker, cuda_or_skip, longest_gap, record, transport_params
+from fakes.server_thread import ServerThread, random_weights
 
 from stream_rl.inference.model_maker import make_model
 from stream_rl.inference.sequence import SamplingParams
-from stream_rl.inference.testing import ServerThread, random_weights
 
 pytestmark = pytest.mark.gpu
 TOKEN = "gpu-test"

@@ -19,13 +19,13 @@ import httpx
 import pytest
 import torch
 from cuda_helpers import REPO, cuda_or_skip, record
+from fakes.training import make_sample
 from pydantic import SecretStr
 
 from stream_rl.config import TrainerConfig, load_config
 from stream_rl.inference.model_maker import make_model
 from stream_rl.train.push import make_sender
 from stream_rl.train.step import PolicyTrainer, configure_determinism, load_model
-from stream_rl.train.testing import make_sample
 
 pytestmark = pytest.mark.gpu
 TOKEN = "gpu-test"

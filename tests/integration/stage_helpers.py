@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from fakes.records import make_weight_version
+
 from stream_rl.config import RunConfig
 from stream_rl.kafka.client import KafkaTransport
 from stream_rl.kafka.reader import read_to_end
@@ -16,7 +18,6 @@ from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.stage import StageStats, StopFlag
 from stream_rl.kafka.topics import WEIGHT_VERSIONS, TopicNames
 from stream_rl.kafka.transport import Message
-from stream_rl.testing import make_weight_version
 
 
 def make_config(names: TopicNames, bootstrap: str, **sections: Any) -> RunConfig:

@@ -6,13 +6,13 @@ import socket
 from pathlib import Path
 
 import pytest
+from fakes.records import make_problem
 
 from stream_rl.errors import BrokerError
 from stream_rl.kafka.broker import LocalBroker, free_port
 from stream_rl.kafka.client import KafkaTransport
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.topics import PROBLEMS, TopicNames, apply_topics
-from stream_rl.testing import make_problem
 
 pytestmark = pytest.mark.integration
 

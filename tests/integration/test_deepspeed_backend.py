@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from fakes.training import make_batches, make_tiny_model, produce_batches, stage_config
 from safetensors.torch import load_file
 
 from stream_rl.kafka.broker import free_port
@@ -24,7 +25,6 @@ from stream_rl.kafka.topics import TopicNames, apply_topics
 from stream_rl.stages import trainer as trainer_stage
 from stream_rl.train.checkpoint import latest_checkpoint
 from stream_rl.train.lineage import read_weight_versions
-from stream_rl.train.testing import make_batches, make_tiny_model, produce_batches, stage_config
 
 pytestmark = pytest.mark.integration
 

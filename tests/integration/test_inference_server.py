@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 import torch
+from fakes.server_thread import ServerThread, load_weights, random_weights
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stream_rl.config import SamplingConfig
@@ -19,7 +20,6 @@ from stream_rl.errors import BadRequestError, InferenceError
 from stream_rl.inference.client import BuiltinClient
 from stream_rl.inference.engine import Engine
 from stream_rl.inference.model_maker import make_model
-from stream_rl.inference.testing import ServerThread, load_weights, random_weights
 
 pytestmark = pytest.mark.integration
 

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fakes.records import examples, make_problem, make_rollout
 from fastavro import parse_schema, schemaless_reader
 
 from stream_rl.contracts import Problem, Rollout
@@ -21,7 +22,6 @@ from stream_rl.kafka.lag import partition_lags, run_lags
 from stream_rl.kafka.serde import default_serde, schema_dir
 from stream_rl.kafka.stage import Incoming, Output, Reject, StageLoop
 from stream_rl.kafka.topics import PROBLEMS, RAW_ROLLOUTS, SCHEMAS, TopicNames, publish_schemas
-from stream_rl.testing import examples, make_problem, make_rollout
 
 pytestmark = pytest.mark.integration
 

@@ -31,10 +31,10 @@ SAMPLING = {"max_tokens": 8, "temperature": 1.0}
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     import torch
+    from fakes.server_thread import ServerThread
 
     from stream_rl.inference.engine import Engine
     from stream_rl.inference.model_maker import make_model
-    from stream_rl.inference.testing import ServerThread
 
     torch.set_num_threads(1)
     path = make_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", seed=0)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from fakes.inference import END, FakeServer, arithmetic_reply, factory, render
+from fakes.records import f32
 from fakes.trainer import FakeTrainer
 from stage_helpers import StageThread, make_config, publish_version, read, wait_for
 
@@ -22,7 +23,6 @@ from stream_rl.rl.advantages import compute_advantages
 from stream_rl.stages import actor, loader, preprocessor, verifier
 from stream_rl.stages.rollouts import ChatTokenizer, sample_seed
 from stream_rl.tasks import get_task
-from stream_rl.testing import f32
 
 pytestmark = pytest.mark.integration
 serde = default_serde()
@@ -40,10 +40,10 @@ class Inference:
 @pytest.fixture(scope="module")
 def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     import torch
+    from fakes.server_thread import ServerThread
 
     from stream_rl.inference.engine import Engine
     from stream_rl.inference.model_maker import make_model
-    from stream_rl.inference.testing import ServerThread
 
     torch.set_num_threads(1)
     path = make_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", seed=0)

@@ -9,6 +9,8 @@ import signal
 from pathlib import Path
 
 import pytest
+from fakes.records import f32, make_scored_groups
+from fakes.training import make_tiny_model
 from stage_helpers import make_config, read
 
 from stream_rl import cli
@@ -18,8 +20,6 @@ from stream_rl.kafka.client import KafkaTransport
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.topics import SCORED, TRAINING_BATCHES, TopicNames
 from stream_rl.stages import trainer as trainer_stage
-from stream_rl.testing import f32, make_scored_groups
-from stream_rl.train.testing import make_tiny_model
 
 pytestmark = pytest.mark.integration
 serde = default_serde()

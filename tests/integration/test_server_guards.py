@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from fakes.server_thread import ServerThread
 
 from stream_rl.inference.engine import Engine
 from stream_rl.inference.model_maker import make_model
-from stream_rl.inference.testing import ServerThread
 
 pytestmark = pytest.mark.integration
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import fakes.tasks  # noqa: F401 - registers the `unruly` task
 import pytest
 from fakes.inference import FakeServer, factory
+from fakes.records import make_rollout, make_scored
 from stage_helpers import (
     StageThread,
     assignments,
@@ -30,7 +31,6 @@ from stream_rl.kafka.client import KafkaTransport
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.topics import PROBLEMS, RAW_ROLLOUTS, SCORED, TRAINING_BATCHES, TopicNames
 from stream_rl.stages import actor, loader, preprocessor, verifier
-from stream_rl.testing import make_rollout, make_scored
 
 pytestmark = pytest.mark.integration
 serde = default_serde()

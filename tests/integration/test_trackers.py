@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fakes.records import make_eval_result, make_weight_version
 
 from stream_rl.config import dump_config, load_config
 from stream_rl.contracts import WeightVersionKind
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.topics import EVAL_RESULTS, WEIGHT_VERSIONS, TopicNames
-from stream_rl.testing import make_eval_result, make_weight_version
 
 pytestmark = pytest.mark.integration
 

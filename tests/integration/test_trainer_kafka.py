@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fakes.training import make_batches, make_tiny_model, produce_batches, stage_config
 
 from stream_rl import cli
 from stream_rl.config import load_config
@@ -20,7 +21,6 @@ from stream_rl.kafka.follower import VersionFollower
 from stream_rl.kafka.topics import TRAINING_BATCHES, TopicNames, apply_topics
 from stream_rl.stages import trainer as trainer_stage
 from stream_rl.train.lineage import read_weight_versions
-from stream_rl.train.testing import make_batches, make_tiny_model, produce_batches, stage_config
 
 pytestmark = pytest.mark.integration
 

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from fakes.server_thread import ServerThread, load_weights, random_weights
 from transformers import AutoModelForCausalLM
 
 from stream_rl.config import SamplingConfig
@@ -26,7 +27,6 @@ from stream_rl.inference.client import BuiltinClient
 from stream_rl.inference.engine import Engine
 from stream_rl.inference.model_maker import make_model
 from stream_rl.inference.parameters import DTYPES
-from stream_rl.inference.testing import ServerThread, load_weights, random_weights
 from stream_rl.weights import ServerEndpoint, WeightSender
 
 pytestmark = pytest.mark.integration

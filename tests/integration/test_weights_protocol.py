@@ -12,11 +12,11 @@ import httpx
 import pytest
 import torch
 import torch.distributed as dist
+from fakes.server_thread import ServerThread
 from transformers import AutoModelForCausalLM
 
 from stream_rl.inference.engine import Engine
 from stream_rl.inference.model_maker import make_model
-from stream_rl.inference.testing import ServerThread
 
 pytestmark = pytest.mark.integration
 

@@ -9,17 +9,19 @@ from dataclasses import replace
 
 import pytest
 from fakes.inference import END, FakeServer, FakeTokenizer, factory, render
+from fakes.records import make_problem, make_weight_version
+from prometheus_client import REGISTRY
 
 from stream_rl.config import RunConfig
 from stream_rl.contracts import Problem, Rollout
-from stream_rl.kafka.memory import MemoryTransport
+from stream_rl.kafka.memory import MemoryConsumer, MemoryTransport
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.stage import StopFlag
 from stream_rl.kafka.topics import PROBLEMS, RAW_ROLLOUTS, WEIGHT_VERSIONS, TopicNames
+from stream_rl.kafka.transport import Message
 from stream_rl.stages import actor, loader
 from stream_rl.stages.rollouts import sample_seed
 from stream_rl.tasks.guessing import score_guessing
-from stream_rl.testing import make_problem, make_weight_version
 
 pytestmark = pytest.mark.unit
 
@@ -41,8 +43,8 @@ def make_config(**over: object) -> RunConfig:
     return RunConfig.model_validate(data)
 
 
-def setup(config: RunConfig) -> tuple[MemoryTransport, TopicNames]:
-    t = MemoryTransport()
+def setup(config: RunConfig, t: MemoryTransport | None = None) -> tuple[MemoryTransport, TopicNames]:
+    t = t if t is not None else MemoryTransport()
     names = TopicNames(config.run)
     t.create_topics(names.all_topics(partitions=2))
     loader.run(config, transport=t)
@@ -152,17 +154,63 @@ def wait_until(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-unt
         time.sleep(0.01)
 
 
+class PollCounting(MemoryTransport):
+    """Counts the polls of the actor group's consumer: each is one more turn of the actor's loop
+    (poll, take the problems, admit what it may, commit), so two more polls after an event mean
+    the actor has done whatever it was going to do about it."""
+
+    def __init__(self, group: str) -> None:
+        super().__init__()
+        self.group = group
+        self.polls = 0
+
+    def consumer(
+        self, group_id: str | None, client_id: str, instance_id: str | None = None
+    ) -> MemoryConsumer:
+        consumer = super().consumer(group_id, client_id, instance_id)
+        if group_id == self.group:
+            poll = consumer.poll_batch
+
+            def counted(max_records: int, timeout: float) -> list[Message]:
+                self.polls += 1
+                return poll(max_records, timeout)
+
+            consumer.poll_batch = counted  # type: ignore[method-assign]
+        return consumer
+
+    def settle(self) -> None:
+        """Wait for two more turns of the actor's loop."""
+        seen = self.polls
+        wait_until(lambda: self.polls >= seen + 2)
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
 def test_conventional_mode_samples_one_step_per_version_and_waits() -> None:
     config = make_config(mode="conventional", trainer__samples_per_step=8)
-    t, names = setup(config)
+    t, names = setup(config, PollCounting(TopicNames(config.run).group("actor")))
+    assert isinstance(t, PollCounting)
+    taken, admitted = (
+        metric("stream_rl_records_in_total", stage="actor", topic=names[PROBLEMS]),
+        metric("stream_rl_actor_admitted_problems_total", actor="actor-0"),
+    )
     servers = [FakeServer("http://a"), FakeServer("http://b")]
     stop, thread, _ = run_in_thread(config, t, servers)
     try:
-        time.sleep(0.3)  # nothing may happen before version 0: no condition to await
-        assert rollouts(t, names) == []
+        # Nothing happens before version 0: the actor holds all 6 problems and admits none.
+        wait_until(
+            lambda: metric("stream_rl_records_in_total", stage="actor", topic=names[PROBLEMS]) == taken + 6
+        )
+        t.settle()
+        assert metric("stream_rl_actor_admitted_problems_total", actor="actor-0") == admitted
+        assert rollouts(t, names) == [] and sum(s.calls for s in servers) == 0
         publish(t, names, 0, 0)
         wait_until(lambda: len(rollouts(t, names)) == 8)
-        time.sleep(0.3)  # and nothing more until the trainer has used them
+        # And nothing more until the trainer has used them: one step's 2 problems admitted, no third.
+        t.settle()
+        assert metric("stream_rl_actor_admitted_problems_total", actor="actor-0") == admitted + 2
         assert len(rollouts(t, names)) == 8
         for s in servers:
             s.version = 1

@@ -7,9 +7,9 @@ import random
 from dataclasses import replace
 
 import pytest
+from fakes.records import make_weight_version
 
 from stream_rl.stages.admission import Admission, GroupView, admission_bound
-from stream_rl.testing import make_weight_version
 
 pytestmark = pytest.mark.unit
 

@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 
 import pytest
 import yaml
+from fakes.records import make_scored_groups
 
 from stream_rl.cli import COMMANDS, command_parser
 from stream_rl.config import RunConfig, load_config
@@ -29,7 +30,6 @@ from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.topics import SCORED, TRAINING_BATCHES, TopicNames
 from stream_rl.stages import preprocessor
 from stream_rl.stages.entry import instance_id
-from stream_rl.testing import make_scored_groups
 
 pytestmark = pytest.mark.unit
 
@@ -130,7 +130,7 @@ def test_scaled_services_take_the_hostname_as_instance_and_the_trainer_stays_sin
         args = args_of(name, name)
         assert args.instance == HOSTNAME
     assert "--instance" not in invocations(SERVICES["trainer"])[0]
-    assert args_of("trainer", "trainer").instance == 0
+    assert args_of("trainer", "trainer").instance == "0"  # the shared stage entry: --instance is an id
     assert "deploy" not in SERVICES["trainer"]  # no replicas
 
 

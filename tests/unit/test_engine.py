@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fakes.server_thread import load_weights, random_weights
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stream_rl.contracts import VersionSpan
@@ -16,7 +17,6 @@ from stream_rl.errors import InferenceError
 from stream_rl.inference.engine import Engine
 from stream_rl.inference.model_maker import make_model
 from stream_rl.inference.sequence import SamplingParams
-from stream_rl.inference.testing import load_weights, random_weights
 
 pytestmark = pytest.mark.unit
 

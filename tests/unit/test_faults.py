@@ -10,6 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from fakes.training import (
+    FakePusher,
+    make_batches,
+    make_tiny_model,
+    produce_batches,
+    setup_topics,
+    stage_config,
+)
 
 from stream_rl.contracts import ScoredRollout, TrainingBatch, VersionSpan, WeightVersion, WeightVersionKind
 from stream_rl.errors import ContractError
@@ -18,14 +26,6 @@ from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.topics import WEIGHT_VERSIONS
 from stream_rl.stages import trainer as trainer_stage
 from stream_rl.train.dedupe import TrainedIds
-from stream_rl.train.testing import (
-    FakePusher,
-    make_batches,
-    make_tiny_model,
-    produce_batches,
-    setup_topics,
-    stage_config,
-)
 from stream_rl.watchdog import Sample, Watchdog
 
 pytestmark = pytest.mark.unit
@@ -71,7 +71,7 @@ def test_training_samples_with_bad_numbers_are_refused(change) -> None:  # type:
 
 
 def test_rewards_and_logprobs_of_scored_rollouts_are_checked() -> None:
-    from stream_rl.testing import make_scored
+    from fakes.records import make_scored
 
     good = make_scored()
     SERDE.decode(SERDE.encode(good), ScoredRollout)
@@ -137,7 +137,7 @@ def test_a_duplicated_batch_and_rollout_are_trained_once_even_across_a_restart(
 
 
 def test_a_non_finite_loss_or_gradient_is_never_applied(tmp_path: Path, model_dir: Path) -> None:
-    from stream_rl.train.step import build_trainer
+    from stream_rl.train.backends import build_trainer
 
     cfg = stage_config(tmp_path, model_dir)
     trainer = build_trainer(cfg)

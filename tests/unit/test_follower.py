@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from fakes.records import make_weight_version
 
 from stream_rl.kafka.follower import VersionFollower
 from stream_rl.kafka.memory import MemoryTransport
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.topics import WEIGHT_VERSIONS, TopicNames
-from stream_rl.testing import make_weight_version
 
 pytestmark = pytest.mark.unit
 

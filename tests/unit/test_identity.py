@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from fakes.records import make_weight_version
 
 from stream_rl.config import dump_config, load_config
 from stream_rl.contracts import WeightVersionKind
 from stream_rl.errors import ConfigError, StreamRLError
 from stream_rl.identity import RunState, config_differences, decide
-from stream_rl.testing import make_weight_version
 
 pytestmark = pytest.mark.unit
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from fakes.training import make_sample, make_tiny_model
 
 from stream_rl.config import TrainerConfig
 from stream_rl.errors import ConfigError, InferenceError
@@ -16,9 +17,8 @@ from stream_rl.inference.engine import Engine
 from stream_rl.inference.model_maker import make_model
 from stream_rl.inference.sequence import SamplingParams
 from stream_rl.modeling import enable_gradient_checkpointing, untied_head_name
-from stream_rl.train.packing import pack_samples
+from stream_rl.train.rows import pack_samples
 from stream_rl.train.step import PolicyTrainer, completion_logits, configure_determinism, load_model
-from stream_rl.train.testing import make_sample, make_tiny_model
 
 pytestmark = pytest.mark.unit
 

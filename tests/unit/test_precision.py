@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 import torch
+from fakes.training import make_sample, make_tiny_model
 
 from stream_rl.config import TrainerConfig, load_config
 from stream_rl.errors import ConfigError
 from stream_rl.train.step import MASTER_WEIGHTS_FILE, PolicyTrainer, configure_determinism, load_model
-from stream_rl.train.testing import make_sample, make_tiny_model
 
 pytestmark = pytest.mark.unit
 

@@ -7,6 +7,7 @@ import threading
 from dataclasses import replace
 
 import pytest
+from fakes.records import f32, make_scored, make_weight_version
 
 from stream_rl.config import RunConfig
 from stream_rl.contracts import (
@@ -22,7 +23,6 @@ from stream_rl.kafka.stage import StopFlag
 from stream_rl.kafka.topics import SCORED, TRAINING_BATCHES, WEIGHT_VERSIONS, TopicNames
 from stream_rl.rl.advantages import compute_advantages
 from stream_rl.stages import preprocessor
-from stream_rl.testing import f32, make_scored, make_weight_version
 
 pytestmark = pytest.mark.unit
 serde = default_serde()

@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
+from fakes.records import f32, make_scored_groups
 
 from stream_rl.cli import command_parser
 from stream_rl.config import RunConfig, dump_config, load_config
@@ -16,7 +17,6 @@ from stream_rl.kafka.memory import MemoryTransport
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.topics import SCORED, TRAINING_BATCHES, TopicNames
 from stream_rl.stages.preprocessor_replay import replay_config, replay_preprocessor, source_config_path
-from stream_rl.testing import f32, make_scored_groups
 
 pytestmark = pytest.mark.unit
 serde = default_serde()

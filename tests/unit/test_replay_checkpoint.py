@@ -7,10 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from fakes.training import make_batches, make_tiny_model, setup_topics
+from fakes.training import stage_config as make_config
 
 from stream_rl.contracts import TrainingBatch
 from stream_rl.kafka.memory import MemoryTransport
 from stream_rl.stages import trainer as trainer_stage
+from stream_rl.train.backends import build_trainer
 from stream_rl.train.checkpoint import (
     CheckpointError,
     TrainerState,
@@ -20,9 +23,6 @@ from stream_rl.train.checkpoint import (
     save_checkpoint,
 )
 from stream_rl.train.replay import replay_trainer
-from stream_rl.train.step import build_trainer
-from stream_rl.train.testing import make_batches, make_tiny_model, setup_topics
-from stream_rl.train.testing import stage_config as make_config
 
 pytestmark = pytest.mark.unit
 

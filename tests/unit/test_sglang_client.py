@@ -17,7 +17,7 @@ import pytest
 from stream_rl.config import SamplingConfig
 from stream_rl.contracts import VersionSpan
 from stream_rl.errors import BadRequestError, InferenceError
-from stream_rl.inference.client import make_client
+from stream_rl.inference.clients import make_client
 from stream_rl.inference.sglang_client import SGLangClient, chat_body, generate_body, sample_seeds
 
 pytestmark = pytest.mark.unit

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import pytest
+from fakes.records import make_problem, make_rollout
 
 from stream_rl.contracts import Problem, Rollout
 from stream_rl.errors import ContractError
 from stream_rl.kafka.memory import MemoryTransport
+from stream_rl.kafka.offsets import OffsetTracker
 from stream_rl.kafka.serde import default_serde
-from stream_rl.kafka.stage import Incoming, OffsetTracker, Output, Reject, StageLoop, StopFlag
+from stream_rl.kafka.stage import Incoming, Output, Reject, StageLoop, StopFlag
 from stream_rl.kafka.transport import Message
-from stream_rl.testing import make_problem, make_rollout
 
 pytestmark = pytest.mark.unit
 

@@ -136,8 +136,8 @@ def test_loads_jsonl_with_stable_unique_ids(tmp_path):
 
 
 def test_loads_json_and_parquet(tmp_path):
-    pq = pytest.importorskip("pyarrow.parquet")
-    import pyarrow as pa
+    import pyarrow as pa  # a dependency (the math task reads Parquet): a plain import, never a skip
+    import pyarrow.parquet as pq
 
     (tmp_path / "p.json").write_text(json.dumps(ROWS[:1]))
     pq.write_table(

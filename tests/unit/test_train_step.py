@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from fakes.training import make_batches, make_sample, make_tiny_model
 
 from stream_rl.config import TrainerConfig
 from stream_rl.train.step import PolicyTrainer, configure_determinism, load_model
-from stream_rl.train.testing import make_batches, make_sample, make_tiny_model
 
 pytestmark = pytest.mark.unit
 

@@ -8,6 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fakes.training import (
+    FakePusher,
+    make_batches,
+    make_tiny_model,
+    produce_batches,
+    setup_topics,
+    stage_config,
+)
 
 from stream_rl.contracts import TrainingBatch, WeightVersion, WeightVersionKind
 from stream_rl.errors import WeightSyncError
@@ -17,14 +25,6 @@ from stream_rl.kafka.stage import StopFlag
 from stream_rl.kafka.topics import TRAINING_BATCHES, WEIGHT_VERSIONS, TopicNames
 from stream_rl.stages import trainer as trainer_stage
 from stream_rl.train.checkpoint import latest_checkpoint, read_state
-from stream_rl.train.testing import (
-    FakePusher,
-    make_batches,
-    make_tiny_model,
-    produce_batches,
-    setup_topics,
-    stage_config,
-)
 
 pytestmark = pytest.mark.unit
 

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import fakes.tasks  # noqa: F401 - registers the `unruly` task
 import pytest
+from fakes.records import make_problem, make_rollout
 
 from stream_rl.config import RunConfig
 from stream_rl.contracts import Rollout, ScoredRollout, Verdict
@@ -15,7 +16,6 @@ from stream_rl.kafka.topics import RAW_ROLLOUTS, SCORED, TopicNames
 from stream_rl.stages import verifier
 from stream_rl.stages.scoring import ScoringPool
 from stream_rl.tasks import get_task
-from stream_rl.testing import make_problem, make_rollout
 
 pytestmark = pytest.mark.unit
 

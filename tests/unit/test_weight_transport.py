@@ -11,15 +11,15 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from fakes.server_thread import ServerThread
+from fakes.training import make_tiny_model
 from pydantic import SecretStr
 
 from stream_rl.config import load_config
 from stream_rl.errors import WeightSyncError
 from stream_rl.inference.engine import Engine
-from stream_rl.inference.testing import ServerThread
 from stream_rl.train.push import make_sender
 from stream_rl.train.step import load_model
-from stream_rl.train.testing import make_tiny_model
 from stream_rl.weights import ServerEndpoint, TensorMeta, WeightSender, weights_checksum
 from stream_rl.weights.receiver import WeightReceiver
 from stream_rl.weights.transport import make_builtin_sender

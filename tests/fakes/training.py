@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fakes.records import f32
+
 from stream_rl.config import RunConfig
 from stream_rl.contracts import TrainingBatch, TrainingSample, Verdict, VersionSpan
 from stream_rl.errors import WeightSyncError
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.topics import TRAINING_BATCHES, TopicNames
 from stream_rl.kafka.transport import Transport
-from stream_rl.testing import f32
 
 
 def make_tiny_model(

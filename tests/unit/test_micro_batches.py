@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from fakes.records import make_scored, make_training_sample
 
 from stream_rl.contracts import TrainingBatch
 from stream_rl.kafka.serde import default_serde
-from stream_rl.stages.packing import batch_id, next_fit, pack
-from stream_rl.testing import make_scored, make_training_sample
+from stream_rl.stages.micro_batches import batch_id, next_fit, pack
 
 pytestmark = pytest.mark.unit
 

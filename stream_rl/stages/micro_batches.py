@@ -6,7 +6,7 @@
   trainer steps once per `samples_per_step` samples of the stream, so a sample packed behind
   younger ones can fall into the next step and exceed the lag bound (first-fit decreasing did
   that once a backlog formed: lag 3 with `max_lag: 2`). The trainer packs its rows itself
-  (`stream_rl/train/packing.py`), so the micro-batches' fill costs nothing but record count.
+  (`stream_rl/train/rows.py`), so the micro-batches' fill costs nothing but record count.
 - Each encoded record stays under `max_bytes`: a pack whose encoding is larger is split in
   halves until it fits (a single sample that is still larger travels alone and is logged; the
   topic accepts up to its `max.message.bytes`).

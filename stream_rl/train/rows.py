@@ -9,7 +9,7 @@ Layout:
   with its own positions 0, 1, ... . Given `position_ids` and no attention mask, transformers'
   causal-LM masking (`find_packed_sequence_indices`, sdpa and eager alike) builds the
   block-diagonal causal mask from the restarts, so a sample never attends to another one or to
-  padding. `tests/unit/test_packing.py` checks packed logprobs against unpacked ones.
+  padding. `tests/unit/test_rows.py` checks packed logprobs against unpacked ones.
 - Completion token t of a sample (`input_ids[prompt_len + t]`) is predicted by the hidden state
   of the position before it; `rows`/`cols` index those predicting positions, so the LM head runs
   on completion positions only. The flat per-token tensors (`labels`, `loss_mask`, ...) follow

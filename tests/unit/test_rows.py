@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from fakes.training import make_sample, make_tiny_model
 
-from stream_rl.train.packing import assign_rows, pack_samples
-from stream_rl.train.testing import make_sample, make_tiny_model
+from stream_rl.train.rows import assign_rows, pack_samples
 
 pytestmark = pytest.mark.unit
 

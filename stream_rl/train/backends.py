@@ -1,0 +1,33 @@
+"""The trainer backend of a run: `PolicyTrainer` (`stream_rl.train.step`, plain torch) or, with
+`trainer.backend: deepspeed`, `DeepSpeedTrainer` (`stream_rl.train.deepspeed_backend`, GPU only).
+Both implement `TrainerBackend`; the trainer stage, `replay trainer` and the checkpoint rebuild
+get theirs here, so the two backends depend on `step` and never on each other.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from stream_rl.config import RunConfig
+from stream_rl.train.step import PolicyTrainer, TrainerBackend, configure_determinism, load_model
+
+
+def build_trainer(config: RunConfig, weights: str | Path | None = None) -> TrainerBackend:
+    """Determinism settings, then the model (`weights`, default `model.path`), the reference
+    model when `kl_coef > 0` (always `model.path`: the initial policy), optimizer and schedule.
+    With `trainer.backend: deepspeed` the result is a `DeepSpeedTrainer` (same interface)."""
+    tcfg = config.trainer
+    if tcfg.backend == "deepspeed":
+        from stream_rl.train.deepspeed_backend import build_deepspeed_trainer
+
+        return build_deepspeed_trainer(config, weights)
+    configure_determinism(tcfg.deterministic, tcfg.seed, tcfg.torch_threads)
+    attn = config.model.attn_implementation
+    path = weights if weights is not None else config.model.path
+    model = load_model(path, config.model.dtype, tcfg.device, attn)
+    ref = None
+    if tcfg.kl_coef > 0:
+        ref = load_model(config.model.path, config.model.dtype, tcfg.device, attn).requires_grad_(False)
+    return PolicyTrainer(
+        model, tcfg, temperature=config.actor.sampling.temperature, device=tcfg.device, ref_model=ref
+    )

@@ -1,0 +1,145 @@
+"""The import graph of `stream_rl`: no circle, and no arrow back up.
+
+Every import counts, the lazy ones inside functions too (a lazy import hides a circle from the
+interpreter, not from a reader); imports under `if TYPE_CHECKING:` do not. An arrow back up is a
+module of a subpackage (`stream_rl.inference.*`, `stream_rl.kafka.*`, ...) importing a top-level
+module other than the foundations every layer may use (config, errors, metrics, modeling, and
+cli's shared options): the top level composes the subpackages, not the other way round.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+PACKAGE = Path(__file__).resolve().parents[2] / "stream_rl"
+FOUNDATIONS = {
+    "stream_rl.config",
+    "stream_rl.errors",
+    "stream_rl.metrics",
+    "stream_rl.modeling",
+    "stream_rl.cli",
+}
+
+
+def module_files() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+IMPORT = re.compile(
+    r"^[ \t]*(?:from[ \t]+(stream_rl[\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n#]+)|import[ \t]+(stream_rl[\w.]*))",
+    re.MULTILINE,
+)
+TYPE_ONLY = re.compile(r"^([ \t]*)if (?:typing\.)?TYPE_CHECKING:\n(?:\1[ \t]+.*\n|[ \t]*\n)*", re.MULTILINE)
+
+
+def imported_names(source: str) -> list[str]:
+    """The stream_rl names `source` imports (`from a.b import c` gives `a.b` and `a.b.c`), read
+    with a regular expression (parsing every module with `ast` costs a second here)."""
+    names: list[str] = []
+    for module, what, plain in IMPORT.findall(TYPE_ONLY.sub("", source)):
+        if plain:
+            names.append(plain)
+            continue
+        names.append(module)
+        names.extend(
+            f"{module}.{n.split()[0]}" for n in what.strip("()").replace("\n", " ").split(",") if n.strip()
+        )
+    return names
+
+
+@functools.cache
+def import_graph() -> dict[str, set[str]]:
+    """module -> the stream_rl modules it imports (a package's own submodules and its parents aside)."""
+    files = module_files()
+
+    def resolve(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        targets = {resolve(n) for n in imported_names(path.read_text())}
+        graph[mod] = {
+            t
+            for t in targets
+            if t is not None and t != mod and not mod.startswith(t + ".") and not t.startswith(mod + ".")
+        }
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_sees_lazy_and_parenthesised_imports_not_type_only_ones() -> None:
+    source = (
+        "from stream_rl.a import (\n    b,\n    c as d,\n)\nif TYPE_CHECKING:\n    import stream_rl.e\n\n"
+        "def f():\n    from stream_rl import g  # why\n"
+    )
+    assert imported_names(source) == [
+        "stream_rl.a",
+        "stream_rl.a.b",
+        "stream_rl.a.c",
+        "stream_rl",
+        "stream_rl.g",
+    ]
+    graph = import_graph()
+    assert "stream_rl.train.deepspeed_backend" in graph["stream_rl.train.backends"]  # imported in a function
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_circle_among_stream_rl_modules() -> None:
+    assert circles(import_graph()) == []
+
+
+def test_no_arrow_back_up_from_a_subpackage_to_the_top_level() -> None:
+    top = {m for m, p in module_files().items() if m.count(".") == 1 and p.name != "__init__.py"}
+    back_up = sorted(
+        f"{mod} -> {t}"
+        for mod, targets in import_graph().items()
+        if mod.count(".") >= 2
+        for t in targets
+        if t in top and t not in FOUNDATIONS
+    )
+    assert back_up == []
