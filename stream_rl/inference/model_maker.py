@@ -196,13 +196,20 @@ def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
     ws.add_argument(
         "--task-params", default="{}", help="the task's params as YAML/JSON, e.g. '{max_operand: 49}'"
     )
-    ws.add_argument("--sft-steps", type=int, default=800, help="supervised steps (batch 64)")
-    ws.add_argument("--sft-lr", type=float, default=1e-3, help="AdamW learning rate")
+    ws.add_argument("--sft-steps", type=int, default=None, help="supervised steps (default: the task's)")
+    ws.add_argument(
+        "--sft-batch-tokens",
+        type=int,
+        default=None,
+        help="tokens per step, examples packed into rows (0: 64 padded examples; default: the task's)",
+    )
+    ws.add_argument("--sft-lr", type=float, default=None, help="AdamW learning rate (default: the task's)")
     ws.add_argument(
         "--label-smoothing",
         type=float,
-        default=0.35,
-        help="probability share spread over the vocabulary: the higher, the noisier sampling",
+        default=None,
+        help="probability share spread over the vocabulary: the higher, the noisier sampling "
+        "(default: the task's, e.g. 0.35 for arithmetic, 0.02 for progression)",
     )
 
 
@@ -222,6 +229,7 @@ def main_make_model(args: argparse.Namespace) -> int:
             args.warm_start,
             params,
             steps=args.sft_steps,
+            batch_tokens=args.sft_batch_tokens,
             lr=args.sft_lr,
             label_smoothing=args.label_smoothing,
             seed=args.seed,
@@ -229,6 +237,7 @@ def main_make_model(args: argparse.Namespace) -> int:
         (out / "warm_start.json").write_text(json.dumps(report.to_dict(), indent=2))
         print(
             f"warm start on {report.task}: {report.steps} steps in {report.seconds:.0f}s; accuracy sampled at "
-            f"T=1 {report.sampled_accuracy:.2f}, greedy {report.greedy_accuracy:.2f} (RL starts from the former)"
+            f"T=1 {report.sampled_accuracy:.2f}, greedy {report.greedy_accuracy:.2f} (RL starts from the former; "
+            f"label smoothing {report.label_smoothing:g})"
         )
     return 0

@@ -6,8 +6,12 @@ step is full; `finish()` takes the optimizer step and returns the step's numbers
 stage and `replay trainer` both cut steps with it, so a replay trains exactly what the run did.
 
 Version lag of a sample: the version of the weights that score it (the trainer's current
-version) minus the oldest version that sampled any of its tokens (`version_lag_*`), and minus
-each token's version, averaged over tokens (`version_lag_token_mean`).
+version) minus the oldest version that sampled any of its tokens (`version_lag_*`), minus the
+version that sampled its last token (`version_lag_last_*`: with in-flight updates a long
+sample's tokens come from successive versions), and minus each token's version, averaged over
+tokens (`version_lag_token_mean`). `version_lag_n<k>` counts the step's samples at lag k (from
+the oldest span; `version_lag_n16` counts 16 and more), so the per-sample distribution of a run
+is the sum over its versions.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from stream_rl.contracts import TrainingBatch, TrainingSample, token_versions
 from stream_rl.kafka.transport import TopicPartition
 from stream_rl.rl.stats import TokenStats
 from stream_rl.train.step import StepOutcome, TrainerBackend
+
+LAG_HISTOGRAM_MAX = 16
+"""`version_lag_n16` counts the samples at lag 16 or more."""
 
 
 @dataclass
@@ -33,6 +40,8 @@ class StepAccumulator:
     reward_sum: float = 0.0
     lags: list[int] = field(default_factory=list)
     """Per trained sample: version - min sampling version."""
+    last_lags: list[int] = field(default_factory=list)
+    """Per trained sample: version - the version that sampled its last token."""
     lag_token_sum: int = 0
     lag_tokens: int = 0
     real_tokens: int = 0
@@ -102,6 +111,7 @@ class StepRunner:
             lag = sample_lag(s, version)
             if lag is not None:
                 lags.append(lag[0])
+                acc.last_lags.append(version - s.version_spans[-1].version)
                 acc.lag_token_sum += lag[1]
                 acc.lag_tokens += lag[2]
         acc.lags.extend(lags)
@@ -163,6 +173,11 @@ def step_metrics(acc: StepAccumulator, outcome: StepOutcome) -> dict[str, float]
     if acc.lags:
         out["version_lag_mean"] = sum(acc.lags) / len(acc.lags)
         out["version_lag_max"] = float(max(acc.lags))
+        out["version_lag_last_mean"] = sum(acc.last_lags) / len(acc.last_lags)
+        out["version_lag_last_max"] = float(max(acc.last_lags))
+        for lag in acc.lags:
+            key = f"version_lag_n{min(lag, LAG_HISTOGRAM_MAX)}"
+            out[key] = out.get(key, 0.0) + 1
     if acc.lag_tokens:
         out["version_lag_token_mean"] = acc.lag_token_sum / acc.lag_tokens
     out.update(acc.stats.metrics())
