@@ -10,7 +10,9 @@ real launcher (`stream-rl run CONFIG --set ...`, its own local broker on a free 
   rebuild the running sequences' KV cache under the new weights at each swap);
 - `pipeline-no-inflight`: `mode: pipeline`, `in_flight_updates: false` (the servers hold new
   sequences, let the running ones finish on the old weights, then swap), to isolate what
-  in-flight updates buy.
+  in-flight updates buy;
+- `pipeline-guard` (an ablation, not run by default): pipeline with `actor.straggler_guard: true`,
+  for configs that turn it off.
 
 Per run it reports, over the training window (from the publication of version 0 to that of the
 last version, so start-up, identical in every mode, is left out): wall time until the centred
@@ -67,6 +69,9 @@ MODES: dict[str, list[str]] = {
     "pipeline": ["mode=pipeline", "in_flight_updates=true", "inference.kv_policy=keep"],
     "pipeline-recompute": ["mode=pipeline", "in_flight_updates=true", "inference.kv_policy=recompute"],
     "pipeline-no-inflight": ["mode=pipeline", "in_flight_updates=false"],
+    # an ablation for configs that turn the guard off: pipeline with the admission window held by
+    # generating stragglers (stream_rl/stages/admission.py)
+    "pipeline-guard": ["mode=pipeline", "in_flight_updates=true", "actor.straggler_guard=true"],
 }
 DEFAULT_MODES = ["conventional", "pipeline", "pipeline-no-inflight"]
 COLOURS = {
@@ -74,6 +79,7 @@ COLOURS = {
     "pipeline": "tab:blue",
     "pipeline-recompute": "tab:purple",
     "pipeline-no-inflight": "tab:green",
+    "pipeline-guard": "tab:orange",
 }
 
 

@@ -9,6 +9,8 @@ like a base model that knows the format but is noisy. RL then has something to s
 report gives the sampled and greedy accuracy so a user sees where RL starts.
 
 Each task carries its defaults (`Task.warm_start`, measured per task); arguments override them.
+AdamW at `lr` decays along a cosine to `min_lr_ratio` of it over the steps (the task's; 1.0,
+constant, unless it says otherwise).
 Short answers train in padded batches of `batch_size` examples; long, variable-length ones
 (`batch_tokens` > 0) are packed into rows of about `ROW_TOKENS` tokens with positions restarting
 at every example, so no step pays for padding to its longest example (transformers builds the
@@ -17,6 +19,7 @@ block-diagonal causal mask from the restarts, as in the trainer: `stream_rl/trai
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -153,6 +156,10 @@ def warm_start(
     rng = random.Random(seed)
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    floor = d.min_lr_ratio
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda step: floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(step / max(steps, 1), 1.0)))
+    )
     model.train()
     started = time.monotonic()
     loss_value = float("nan")
@@ -173,6 +180,7 @@ def warm_start(
         opt.zero_grad()
         loss.backward()
         opt.step()
+        schedule.step()
         loss_value = float(loss.detach())
         bar.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
     model.eval()

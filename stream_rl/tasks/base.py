@@ -53,6 +53,8 @@ class WarmStartDefaults:
     """AdamW learning rate."""
     label_smoothing: float = 0.35
     """Probability share spread over the vocabulary: the higher, the noisier sampling."""
+    min_lr_ratio: float = 1.0
+    """The learning rate decays along a cosine to this share of `lr` (1.0: constant)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,13 +1,15 @@
 """`progression`: count down by a step, term by term: a long answer checked exactly.
 
 The long-sequence task (README "Performance": PipelineRL's regime). The user message is
-`count down from 117 by 1` and the ideal completion every term from the first down to the last
+`count down by 1 from 117` and the ideal completion every term from the first down to the last
 that is not negative, zero-padded to `width` digits and separated by single spaces, then end of
 sequence: `117 116 115 ... 002 001 000`. Each term is a subtraction (with borrows) from the one
 before it, so a completion is right only if each of its tens to hundreds of steps is: the
 reward is all or nothing, as for a reasoning trace. Everything a term needs sits a fixed
-distance back (the previous term; the stop rule "the last term is below the step"), which a
-~0.5M-parameter model learns in minutes on a CPU. Other steps (`steps: [1, 2, 3]`) make the
+distance back (the previous term, or for the first one the prompt's last digits; the stop rule
+"the last term is below the step"), which a ~0.5M-parameter model learns in minutes on a CPU
+(with the start number earlier in the prompt, `count down from 117 by 1`, the tiny preset had
+not learned to copy it after 350 steps: the first term was right 45% of the time, greedy). Other steps (`steps: [1, 2, 3]`) make the
 model infer the step from the prompt or the last two terms: measured, the tiny preset had not
 learned that after 200 warm-start steps (units digit right 19% of the time, greedy), hence the
 default of 1.
@@ -118,8 +120,13 @@ class ProgressionTask(Task):
     params: ProgressionParams
     # Label smoothing spreads a share of every token's probability over the vocabulary; over
     # completions of ~84 tokens (median) a small share already makes most samples wrong
-    # somewhere. Measured with the tiny preset (README "Performance").
-    warm_start = WarmStartDefaults(steps=400, batch_tokens=4096, lr=3e-3, label_smoothing=0.02)
+    # somewhere. A cosine decay: at a constant 3e-3 the loss climbed back after ~250 steps
+    # (0.23 -> 0.28 at 500) and the model never learned to stop. Measured with the tiny preset,
+    # 600 steps, 5.5 min on a quiet core: loss 0.215, accuracy on 64 problems 0.50 sampled and
+    # 0.875 greedy; in a long-cpu run (max_terms 160) the first steps' reward is 0.19-0.27.
+    warm_start = WarmStartDefaults(
+        steps=600, batch_tokens=4096, lr=3e-3, label_smoothing=0.02, min_lr_ratio=0.1
+    )
 
     def draw_terms(self, rng: random.Random) -> int:
         p = self.params
@@ -139,7 +146,7 @@ class ProgressionTask(Task):
                 self.make_problem(
                     run_id,
                     problem_id=f"progression-{index:05d}-{first}-{step}",
-                    user_content=f"count down from {first:0{p.width}d} by {step}",
+                    user_content=f"count down by {step} from {first:0{p.width}d}",
                     answer=format_terms(terms_of(first, step), p.width),
                     metadata={"first": str(first), "step": str(step), "terms": str(terms)},
                 )

@@ -68,6 +68,7 @@ def test_long_cpu_config_runs_through_the_launcher(
     assert [v.version for v in versions] == [0, 1, 2, 3]
     for v in versions[1:]:
         assert v.metrics["samples"] >= 16
-        # long completions: 160 sampled tokens per sample, cut at max_tokens (a random model)
-        assert v.metrics["tokens_trained"] >= 16 * 160
+        # long completions: a random model rarely samples the end-of-sequence token, so most run
+        # to max_tokens (160); prompts have 28 tokens
+        assert v.metrics["tokens_trained"] >= 16 * (28 + 60)
         assert sum(n for k, n in v.metrics.items() if k.startswith("version_lag_n")) == v.metrics["samples"]

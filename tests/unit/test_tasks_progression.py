@@ -54,7 +54,7 @@ def test_problems_are_stable_and_checkable() -> None:
         p.validate()
         (message,) = p.prompt
         first, step = int(p.metadata["first"]), int(p.metadata["step"])
-        assert message.content == f"count down from {first:03d} by {step}"
+        assert message.content == f"count down by {step} from {first:03d}"
         assert p.answer == format_terms(terms_of(first, step), 3)
         assert 0 <= terms_of(first, step)[-1] < step and len(p.answer.split(" ")) == int(p.metadata["terms"])  # type: ignore[union-attr]
         assert p.problem_id == f"progression-{i:05d}-{first}-{step}"
