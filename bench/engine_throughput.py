@@ -12,6 +12,7 @@ completion lengths: `progression`'s seed-0 draw, 16 to 1,024 tokens, median 84, 
 
     .venv/bin/python bench/engine_throughput.py [--model DIR] [--requests 256] [--repeats 3]
     .venv/bin/python bench/engine_throughput.py --workloads long --requests 128    # README
+    python bench/engine_throughput.py --device cuda --dtype bfloat16 --preset large   # a GPU
 
 Prints a table and writes bench/results/engine_throughput.json.
 """
@@ -68,16 +69,18 @@ def run_static(engine: Engine, work: list[tuple[list[int], int]], batch: int) ->
         for i in range(0, len(work), batch):
             chunk = work[i : i + batch]
             longest = max(len(p) for p, _ in chunk)
-            ids = torch.full((len(chunk), longest), pad, dtype=torch.long)
+            ids = torch.full((len(chunk), longest), pad, dtype=torch.long, device=engine.device)
             mask = torch.zeros_like(ids)
             for row, (prompt, _) in enumerate(chunk):
-                ids[row, longest - len(prompt) :] = torch.tensor(prompt)
+                ids[row, longest - len(prompt) :] = torch.tensor(prompt, device=engine.device)
                 mask[row, longest - len(prompt) :] = 1
             new = max(m for _, m in chunk)
             out = model.generate(
                 ids, attention_mask=mask, generation_config=config, max_new_tokens=new, min_new_tokens=new
             )
             assert out.shape[1] == longest + new
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()  # the last batch's kernels are part of its time
     return time.perf_counter() - start
 
 
@@ -103,16 +106,23 @@ def main() -> None:
     parser.add_argument(
         "--workloads", default="mixed,uniform,long", help="comma-separated: mixed, uniform, long"
     )
-    parser.add_argument("--name", default="engine_throughput", help="bench/results/<name>.json")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--out", default=None, help="results file (default bench/results/engine_throughput.json)"
+    )
+    parser.add_argument("--name", default=None, help="bench/results/<name>.json (instead of --out)")
     args = parser.parse_args()
     kinds = [k.strip() for k in args.workloads.split(",") if k.strip()]
     if unknown := set(kinds) - {"mixed", "uniform", "long"}:
         parser.error(f"unknown workload(s) {sorted(unknown)}")
-    results = RESULTS.with_name(f"{args.name}.json")
+    if args.out and args.name:
+        parser.error("--out and --name are alternatives")
+    results = Path(args.out) if args.out else RESULTS.with_name(f"{args.name or RESULTS.stem}.json")
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or make_model(Path(tmp) / args.preset, args.preset)
-        engine = Engine.load(path, max_batch=args.batch, seed=0).start()
+        engine = Engine.load(path, device=args.device, dtype=args.dtype, max_batch=args.batch, seed=0).start()
         vocab = (6, 6 + 95)  # printable bytes of the preset tokenizer; any ids work for a random model
         rows = []
         for kind in kinds:
@@ -145,7 +155,13 @@ def main() -> None:
                 }
             )
         engine.stop()
-    meta = {"model": str(args.model or f"preset {args.preset}"), "batch": args.batch, "threads": args.threads}
+    meta = {
+        "model": str(args.model or f"preset {args.preset}"),
+        "batch": args.batch,
+        "threads": args.threads,
+        "device": args.device,
+        "dtype": args.dtype,
+    }
     print(
         f"engine vs static generate(), batch {args.batch}, {args.threads} thread(s), median of {args.repeats}"
     )

@@ -11,7 +11,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from stream_rl.errors import ConfigError
 
@@ -38,6 +46,12 @@ class KafkaConfig(Model):
     """Port of the local broker (the controller listens on port + 1)."""
     partitions: int | None = Field(None, ge=1)
     """Override the partition count of every data topic (topology default otherwise)."""
+    compression: Literal["none", "lz4", "zstd", "gzip", "snappy"] = "zstd"
+    """Compression of every record the stages produce (the broker decompresses each batch to
+    validate it: its CPU cost per batch; see README Performance)."""
+    outage_timeout_s: float = Field(120.0, gt=0)
+    """How long every client waits out a broker that stopped answering (a restart) before failing
+    with an error; a broker that never answered fails within 10 s."""
 
     def resolved_bootstrap(self) -> str:
         """The bootstrap address: config, then environment, then the local broker's default."""
@@ -57,7 +71,12 @@ class ModelConfig(Model):
     path: str = "models/tiny"
     """Local Hugging Face model directory (no hub downloads)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype of the trainer and the built-in engine."""
+    """Parameter dtype of the trainer and the built-in engine. With bfloat16 (or float16) an untied
+    lm_head stays float32 in both (PipelineRL's rule), and the torch trainer steps float32 master
+    weights (`stream_rl/train/precision.py`)."""
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
+    """Attention kernels of the trainer and the built-in engine (transformers' `attn_implementation`);
+    `flash_attention_2` needs the flash-attn package, CUDA and a bf16/fp16 dtype."""
 
 
 class SamplingConfig(Model):
@@ -82,9 +101,65 @@ class LoaderConfig(Model):
     """Shuffle seed for the problem order (same seed, same order)."""
 
 
+ENGINES = ("builtin", "vllm", "sglang")
+Engine = Literal["builtin", "vllm", "sglang"]
+
+
+def normalize_url(url: str) -> str:
+    """The one spelling of a server's base URL (no trailing `/`): rollouts' `server_id`, the
+    trainer's `servers_updated` and routing all name a server by it."""
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")) or url[-3:] == "://":
+        raise ValueError(f"expected a base URL like http://host:port, got {url!r}")
+    return url
+
+
 class ServerConfig(Model):
     url: str
-    """Base URL of an inference server, e.g. `http://127.0.0.1:8001`."""
+    """Base URL of an inference server, e.g. `http://127.0.0.1:8001` (a trailing `/` is dropped)."""
+    engine: Engine | None = None
+    """The server's engine (None: `inference.engine`)."""
+
+    @field_validator("url")
+    @classmethod
+    def _normalize(cls, value: str) -> str:
+        return normalize_url(value)
+
+
+class VLLMConfig(Model):
+    """How the launcher starts vLLM servers (`inference.engine: vllm`), and how the trainer talks
+    to them. README "Engines" lists the flags and why."""
+
+    python: str | None = None
+    """Python of the vLLM environment (None: `.venv-vllm/bin/python` if it exists, from `make vllm`,
+    else `python3`)."""
+    weight_transfer: Literal["auto", "stream_rl_gloo", "nccl"] = "auto"
+    """vLLM weight-transfer backend: `stream_rl_gloo` (our plugin, CPU), `nccl` (vLLM's, GPU);
+    `auto` picks by `inference.device`."""
+    max_model_len: int | None = Field(None, ge=16)
+    """`--max-model-len` (None: the model's own maximum)."""
+    kv_cache_gib: int = Field(1, ge=1)
+    """CPU only: the KV cache size (`VLLM_CPU_KVCACHE_SPACE`, GiB)."""
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    """GPU only: `--gpu-memory-utilization` (None: vLLM's default)."""
+    pause_lease_s: float = Field(120.0, gt=0)
+    """A server paused by a trainer that never resumes it resumes itself after this
+    (`stream_rl.weights.vllm_guard`)."""
+    startup_timeout_s: float = Field(600.0, gt=0)
+    """How long the launcher waits for a vLLM server to answer /health (CPU start-up takes minutes)."""
+    extra_args: list[str] = Field(default_factory=list)
+    """More `vllm serve` arguments, passed as they are."""
+
+
+class SGLangConfig(Model):
+    """How the launcher starts SGLang servers (`inference.engine: sglang`, CUDA only; unverified)."""
+
+    python: str | None = None
+    """Python of the SGLang environment (None: `python3`)."""
+    startup_timeout_s: float = Field(600.0, gt=0)
+    """How long the launcher waits for an SGLang server to answer /health."""
+    extra_args: list[str] = Field(default_factory=list)
+    """More `sglang.launch_server` arguments, passed as they are."""
 
 
 class InferenceConfig(Model):
@@ -98,8 +173,13 @@ class InferenceConfig(Model):
     """First port of launched servers (server i listens on base_port + i)."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Device of the built-in engine."""
-    engine: Literal["builtin", "vllm", "sglang"] = "builtin"
-    """Inference engine; vllm and sglang are GPU-only and unverified here."""
+    engine: Engine = "builtin"
+    """Inference engine of the launched servers (and of `servers` that name none): `builtin`
+    (stream-rl's own), `vllm` (CPU build verified, GPU unverified), `sglang` (GPU, unverified)."""
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+    """vLLM servers (`engine: vllm`)."""
+    sglang: SGLangConfig = Field(default_factory=SGLangConfig)
+    """SGLang servers (`engine: sglang`)."""
     max_batch: int = Field(64, ge=1)
     """Maximum sequences decoded together (continuous batching)."""
     kv_policy: Literal["keep", "recompute"] = "keep"
@@ -115,6 +195,25 @@ class InferenceConfig(Model):
     """Timeout of the weight-sync group's collectives on the server side (join, each update)."""
     seed: int | None = None
     """Seed of the sampling of requests that carry no seed (None: fresh entropy per server start)."""
+
+    def server_list(self) -> list[ServerConfig]:
+        """The run's servers: `servers` when set, else the `num_servers` the launcher starts at
+        `http://{host}:{base_port + i}`, each with its engine resolved."""
+        if self.servers:
+            return [ServerConfig(url=s.url, engine=s.engine or self.engine) for s in self.servers]
+        return [
+            ServerConfig(url=f"http://{self.host}:{self.base_port + i}", engine=self.engine)
+            for i in range(self.num_servers)
+        ]
+
+    def server_urls(self) -> list[str]:
+        return [s.url for s in self.server_list()]
+
+    def vllm_backend(self) -> str:
+        """The vLLM weight-transfer backend: `vllm.weight_transfer`, or by `device` when `auto`."""
+        if self.vllm.weight_transfer != "auto":
+            return self.vllm.weight_transfer
+        return "nccl" if self.device == "cuda" else "stream_rl_gloo"
 
 
 class ActorConfig(Model):
@@ -147,8 +246,8 @@ class ActorConfig(Model):
     """Seed each request from the run seed and the rollout id, so a re-generated rollout (after a
     crash) samples the same tokens when the weights are the same."""
     refresh_s: float = Field(2.0, gt=0)
-    """Admission: how often the actor group's committed offsets, DLQ count and live members are
-    re-read (the other actors' progress; one actor needs none of it after start)."""
+    """Admission: how often the actor group's committed offsets and DLQ count are re-read (the other
+    actors' progress), with `launcher.actors` > 1; one actor reads them once, at start."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Sampling parameters of training rollouts."""
 
@@ -160,6 +259,9 @@ class VerifierConfig(Model):
     """Scoring processes (0 = score in the stage process, without timeouts enforcement by kill)."""
     batch_size: int = Field(64, ge=1)
     """Records scored per poll."""
+    commit_every_s: float = Field(0.5, ge=0)
+    """Commit consumed offsets at most this often (0: after every poll). Each commit is a broker
+    write; a crash re-scores at most this much (the preprocessor drops the duplicates)."""
 
 
 class PreprocessorConfig(Model):
@@ -182,8 +284,16 @@ class PreprocessorConfig(Model):
     of training-batches, which include one transaction marker per transaction: conservative)."""
     batch_size: int = Field(64, ge=1)
     """Scored records per poll; each poll is one Kafka transaction."""
-    dedupe_window: int = Field(10000, ge=1)
-    """Closed groups remembered per partition (in the state topic) to drop late duplicates."""
+    linger_s: float = Field(0.5, ge=0)
+    """After a poll's first records, keep collecting up to `batch_size` for this long: one
+    transaction per ~half second instead of one per group. Transactions were the broker's main
+    cost (measured ~2% of a core per transaction a second; README Performance); the price is up
+    to this much latency before a complete group reaches the trainer."""
+    dedupe_window: int = Field(2000, ge=1)
+    """Closed groups remembered per partition (in the state topic) to drop late duplicates. Late
+    duplicates come from a restarted upstream stage redoing its uncommitted work, a few steps'
+    worth; the trainer drops any that slip through (`trainer.dedupe_window`). The memory it costs
+    is bounded by it (~150 bytes a group)."""
     max_batch_bytes: int = Field(1_000_000, ge=4096)
     """Encoded size limit of one TrainingBatch record; a larger pack is split."""
 
@@ -217,8 +327,9 @@ class TrainerConfig(Model):
     """Entropy bonus coefficient."""
     overlong_filtering: bool = False
     """Zero the loss of sequences that hit max_tokens."""
-    checkpoint_every: int = Field(0, ge=0)
-    """Checkpoint every N steps (0 = only on stop)."""
+    checkpoint_every: int = Field(10, ge=0)
+    """Checkpoint every N steps, so a killed trainer re-trains at most N steps (also at max_steps
+    and on SIGTERM; 0 = only then, and a killed trainer restarts from version 0)."""
     checkpoint_dir: str | None = None
     """Checkpoint directory (default `runs/<run>/trainer/checkpoints`)."""
     deterministic: bool = True
@@ -236,6 +347,15 @@ class TrainerConfig(Model):
     3: parameters too)."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Trainer device."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass (less memory, ~30% more
+    compute); both trainer backends."""
+    weight_transport: Literal["auto", "nccl", "gloo", "cuda_ipc"] = "auto"
+    """How weights reach the built-in servers: `gloo` (host memory; any device), `nccl` (GPU to
+    GPU; the server on another GPU), `cuda_ipc` (trainer and server on the same GPU: the server
+    copies from the trainer's buffers). `auto`: gloo for a CPU trainer; for a CUDA trainer, per
+    server, cuda_ipc when the server reports the trainer's GPU, else nccl. vLLM servers use
+    `inference.vllm.weight_transfer` instead."""
     torch_threads: int = Field(1, ge=1)
     """torch intra-op threads of the trainer process."""
     sync_master_port: int = Field(29500, ge=0, le=65535)
@@ -249,10 +369,75 @@ class TrainerConfig(Model):
     """Target row length when packing a micro-batch (rows are balanced and padded to the longest;
     a longer sample sets the length). Attention cost is quadratic in the row length, padding
     shrinks as rows grow: `bench/trainer.py` measures both."""
+    dedupe_window: int = Field(20_000, ge=1)
+    """Sample ids remembered (and saved with each checkpoint) so that none trains twice, whatever
+    arrives on training-batches (`stream_rl/train/dedupe.py`)."""
     keep_checkpoints: int = Field(2, ge=1)
     """Checkpoints kept on disk (the oldest are deleted after a new one is durable)."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Serve Prometheus `/metrics` on this port (0 = any free port; None = off)."""
+
+
+class EvalConfig(Model):
+    every: int = Field(0, ge=0)
+    """Evaluate on the task's held-out split every N versions (versions 0, N, 2N, ... and the final
+    one) with the evaluator stage; 0 = no evaluation."""
+    max_problems: int | None = Field(None, ge=1)
+    """Evaluate the first N problems of the held-out split (None: all of it)."""
+    greedy: bool = True
+    """Greedy decoding (temperature 0): pass@1."""
+    samples: int = Field(0, ge=0)
+    """k samples per problem at `temperature`: sampled pass@1 and pass@k (0 = none)."""
+    temperature: float = Field(1.0, gt=0)
+    """Temperature of the k samples."""
+    max_tokens: int | None = Field(None, ge=1)
+    """Completion tokens per model call (None: `actor.sampling.max_tokens`)."""
+    concurrency: int = Field(32, ge=1)
+    """Requests in flight at once (per evaluation, across the servers)."""
+    pin: bool = True
+    """Pin evaluated versions: the trainer holds the push of the version after a due one until that
+    one's evaluation is published (at most `timeout_s`), so every evaluation samples exactly its
+    version (off-version tokens 0), at the cost of a pause per evaluation (generation goes on with
+    the evaluated weights meanwhile). False: training never waits; the evaluator measures the
+    fraction of tokens sampled by later versions."""
+    timeout_s: float = Field(120.0, gt=0)
+    """Longest wait for one evaluation: the trainer's hold (`pin`), and the launcher's wait for the
+    final version's evaluation before it stops the run."""
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalConfig:
+        if self.every and not self.greedy and not self.samples:
+            raise ValueError("eval: set greedy: true or samples > 0 (nothing to evaluate)")
+        return self
+
+    def sampling(self, base: SamplingConfig, greedy: bool) -> SamplingConfig:
+        """The sampling of eval requests: greedy, or at `temperature`; the rest from `base`."""
+        return base.model_copy(
+            update={
+                "temperature": 0.0 if greedy else self.temperature,
+                "top_p": 1.0,
+                "top_k": 0,
+                "max_tokens": self.max_tokens or base.max_tokens,
+            }
+        )
+
+
+class TrackConfig(Model):
+    to: list[Literal["wandb", "mlflow", "tensorboard"]] = Field(default_factory=list)
+    """Experiment trackers the launcher feeds while the run goes (a `stream-rl track --follow`
+    child); `stream-rl track --run R --to ...` backfills a finished run the same way."""
+    mlflow_uri: str | None = None
+    """MLflow tracking URI (None: $MLFLOW_TRACKING_URI, else MLflow's default `./mlruns`)."""
+    mlflow_experiment: str = "stream-rl"
+    """MLflow experiment the run is logged in."""
+    wandb_project: str = "stream-rl"
+    """W&B project."""
+    wandb_mode: Literal["online", "offline"] = "offline"
+    """W&B mode: `offline` writes the run under `wandb_dir` (`wandb sync` uploads it later)."""
+    wandb_dir: str | None = None
+    """Where W&B writes (None: `runs/<run>/`)."""
+    tensorboard_dir: str | None = None
+    """TensorBoard event files (None: `runs/<run>/tensorboard/`)."""
 
 
 class LauncherConfig(Model):
@@ -268,6 +453,10 @@ class LauncherConfig(Model):
     """Preprocessor processes."""
     max_wall_s: float | None = Field(None, gt=0)
     """Stop the run after this many seconds."""
+    stall_timeout_s: float | None = Field(300.0, gt=0)
+    """Progress watchdog: no new weight version for this long while the stages are alive stops the
+    run with an error naming the stuck stage (with `restart`, the stuck stage is restarted once
+    first). None: off."""
     keep_broker: bool = False
     """Leave the local broker the launcher started running after the run (its data stays on disk
     either way; `stream-rl kafka up` brings it back for replay)."""
@@ -298,6 +487,8 @@ class RunConfig(Model):
     verifier: VerifierConfig = Field(default_factory=VerifierConfig)
     preprocessor: PreprocessorConfig = Field(default_factory=PreprocessorConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    track: TrackConfig = Field(default_factory=TrackConfig)
     launcher: LauncherConfig = Field(default_factory=LauncherConfig)
 
     @model_validator(mode="after")
@@ -306,11 +497,59 @@ class RunConfig(Model):
             raise ValueError(
                 "trainer.samples_per_step must be a multiple of actor.group_size in conventional mode"
             )
+        inf = self.inference
+        engines = {s.engine for s in inf.server_list()}
+        if "sglang" in engines and inf.device != "cuda":
+            raise ValueError(
+                "inference.engine: sglang needs inference.device: cuda (SGLang has no CPU build that runs here)"
+            )
+        if "sglang" in engines and self.trainer.device != "cuda":
+            raise ValueError(
+                "inference.engine: sglang needs trainer.device: cuda (its weights travel over NCCL)"
+            )
+        tcfg = self.trainer
+        if tcfg.weight_transport in ("nccl", "cuda_ipc") and tcfg.device != "cuda":
+            raise ValueError(
+                f"trainer.weight_transport: {tcfg.weight_transport} needs trainer.device: cuda (use gloo or auto on CPU)"
+            )
+        if tcfg.weight_transport != "auto" and engines and "builtin" not in engines:
+            raise ValueError(
+                "trainer.weight_transport applies to built-in servers only; set inference.vllm.weight_transfer for vLLM"
+            )
+        if tcfg.weight_transport in ("nccl", "cuda_ipc") and not inf.servers and inf.device != "cuda":
+            raise ValueError(
+                f"trainer.weight_transport: {tcfg.weight_transport} needs inference.device: cuda for launched servers"
+            )
+        if self.model.attn_implementation == "flash_attention_2":
+            problem = flash_attention_problem(self.model.dtype, [tcfg.device, inf.device])
+            if problem:
+                raise ValueError(problem)
+        if self.model.dtype == "float16" and tcfg.backend == "torch":
+            raise ValueError(
+                "model.dtype: float16 is not trained by trainer.backend: torch (no loss scaling); use bfloat16, or deepspeed"
+            )
+        if "vllm" in engines and inf.vllm_backend() == "nccl" and self.trainer.device != "cuda":
+            raise ValueError(
+                "inference.vllm.weight_transfer: nccl needs trainer.device: cuda (use stream_rl_gloo on CPU)"
+            )
         return self
 
     @property
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / self.run
+
+
+def flash_attention_problem(dtype: str, devices: list[str]) -> str | None:
+    """Why `model.attn_implementation: flash_attention_2` cannot run here (None: it can)."""
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is None:
+        return "model.attn_implementation: flash_attention_2 needs the flash-attn package, which is not installed (use sdpa)"
+    if any(d != "cuda" for d in devices):
+        return "model.attn_implementation: flash_attention_2 runs on CUDA only (use sdpa on CPU)"
+    if dtype == "float32":
+        return "model.attn_implementation: flash_attention_2 needs model.dtype bfloat16 or float16"
+    return None
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
@@ -390,5 +629,6 @@ def dump_config(config: RunConfig) -> str:
     """The resolved config as YAML, as written into run directories. Secrets are left out (they
     travel in the environment), so the file reloads to the same config minus the secret."""
     data = config.model_dump(mode="json")
-    data["inference"]["admin_token"] = None
+    # Left out, not null: the reloaded config then takes it from $STREAM_RL_ADMIN_TOKEN again.
+    data["inference"].pop("admin_token", None)
     return yaml.safe_dump(data, sort_keys=False)

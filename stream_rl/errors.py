@@ -17,6 +17,11 @@ class KafkaError(StreamRLError):
     """The broker or a Kafka client failed (unreachable, delivery failed, transaction aborted)."""
 
 
+class TransactionAborted(KafkaError):
+    """A transaction had to be aborted (the broker went away in the middle of it): nothing of it
+    is visible downstream; the consumer must go back to its committed offsets."""
+
+
 class BrokerError(KafkaError):
     """The local broker could not be fetched, started or stopped."""
 
@@ -26,7 +31,18 @@ class WeightSyncError(StreamRLError):
 
 
 class InferenceError(StreamRLError):
-    """An inference request could not be served (bad request, engine failure, timeout)."""
+    """An inference request could not be served (server down, engine failure, timeout, an
+    answer that is not what the engine's API promises): the server's fault, counted against it."""
+
+
+class BadRequestError(InferenceError):
+    """The server refused the request itself as invalid (HTTP 400, 413 or 422: a prompt longer
+    than the model's context, a sampling option out of range): the request's fault, not the
+    server's. The actor sends its problem to the DLQ with the server's message."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class TaskError(StreamRLError):

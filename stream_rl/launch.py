@@ -17,19 +17,24 @@ import argparse
 import gc
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from stream_rl.config import ADMIN_TOKEN_ENV, RunConfig, dump_config, load_config
 from stream_rl.contracts import WeightVersionKind
 from stream_rl.errors import StreamRLError
+from stream_rl.identity import Identity, RunState, decide
+from stream_rl.inference.servers import check_engine, launch_for
 from stream_rl.kafka.broker import LocalBroker, free_port
+from stream_rl.kafka.outage import REACHABLE_WAIT_ENV
 from stream_rl.kafka.stage import StopFlag
+from stream_rl.watchdog import Watchdog
 
 STOP_GRACE_S = 20.0
 SAMPLE_EVERY_S = 2.0
@@ -43,6 +48,8 @@ class Child:
     dir: Path
     metrics_port: int | None = None
     restartable: bool = True
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables of this child on top of the launcher's (`child_env`)."""
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = 0.0
@@ -58,10 +65,25 @@ class Child:
             return "(no log)"
 
 
-def child_env(config: RunConfig) -> dict[str, str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def run_admin_token(config: RunConfig) -> str | None:
+    """The token guarding the launched servers' `/weights/*`: the configured one, else a fresh one
+    per run (when the launcher starts the servers). It travels in the children's environment only,
+    never into run directories or logs."""
     if config.inference.admin_token is not None:
-        env[ADMIN_TOKEN_ENV] = config.inference.admin_token.get_secret_value()
+        return config.inference.admin_token.get_secret_value()
+    if config.inference.servers or config.inference.num_servers == 0:
+        return None  # servers started by the user carry the token they were given (if any)
+    import secrets
+
+    return secrets.token_urlsafe(32)
+
+
+def child_env(config: RunConfig, admin_token: str | None = None) -> dict[str, str]:
+    # The launcher has reached the broker: a child (re)started during an outage waits it out
+    # instead of failing fast as for a wrong address.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", REACHABLE_WAIT_ENV: str(config.kafka.outage_timeout_s)}
+    if admin_token is not None:
+        env[ADMIN_TOKEN_ENV] = admin_token
     return env
 
 
@@ -75,20 +97,64 @@ class Launcher:
         self.broker: LocalBroker | None = None
         self.exit_reason = ""
         self.failed: Child | None = None
+        self.server_startup_s = 120.0
+        self.stalled: str | None = None
+        self.admin_token = run_admin_token(config)
+        self._launcher_port: int | None = None
 
     # -- preparation -----------------------------------------------------------------------
+    def check_config(self) -> None:
+        """What the config names must exist before anything starts (one line, exit 2): the task
+        (and its params) and the model directory the trainer and the launched servers load."""
+        from stream_rl.errors import ConfigError
+        from stream_rl.tasks import get_task
+
+        cfg = self.config
+        get_task(cfg.task.name, cfg.task.params, cfg.task.system_prompt)
+        if not (Path(cfg.model.path) / "config.json").is_file():
+            raise ConfigError(
+                f"model.path: {cfg.model.path!r} is not a model directory (no config.json); build one "
+                "with `stream-rl make-model --preset tiny --out DIR`"
+            )
+
     def start_broker(self) -> str:
         from stream_rl.kafka.broker import resolve_bootstrap
+        from stream_rl.kafka.client import check_reachable
 
         cfg = self.config.kafka
         if cfg.bootstrap or os.environ.get("STREAM_RL_KAFKA_BOOTSTRAP"):
-            return resolve_bootstrap(None, cfg.bootstrap)
+            bootstrap = resolve_bootstrap(None, cfg.bootstrap)
+            check_reachable(bootstrap)  # one line within seconds when nothing answers there
+            return bootstrap
         broker = LocalBroker(cfg.data_dir, port=cfg.port)
         already_running = broker.running() is not None
         bootstrap = broker.up(quiet=False).bootstrap
         if not already_running:
             self.broker = broker  # ours to stop at the end
         return bootstrap
+
+    def check_identity(self) -> Identity:
+        """New, resume, or refuse (`stream_rl/identity.py`), before anything starts."""
+        import shutil
+
+        from stream_rl.kafka.client import KafkaTransport
+        from stream_rl.kafka.topics import WEIGHT_VERSIONS, TopicNames
+        from stream_rl.train.lineage import read_weight_versions
+
+        kafka = KafkaTransport(self.bootstrap)
+        names = TopicNames(run=self.config.run, prefix=self.config.kafka.prefix)
+        lineage = (
+            read_weight_versions(kafka, names)
+            if names[WEIGHT_VERSIONS] in set(kafka.list_topic_names())
+            else []
+        )
+        identity = decide(self.config, lineage, self.bootstrap)
+        if identity.state == RunState.NEVER_TRAINED:
+            # The trainer's record describes the config of its first start: that start trained nothing.
+            shutil.rmtree(self.run_dir / "trainer" / "record", ignore_errors=True)
+        if identity.message:
+            print(identity.message, file=sys.stderr)
+        return identity
 
     def apply_topics(self) -> None:
         from stream_rl.kafka.client import KafkaTransport
@@ -110,34 +176,13 @@ class Launcher:
         inf = cfg.inference
         if not inf.servers:
             for i in range(inf.num_servers):
-                cmd = [
-                    *py,
-                    "serve",
-                    "--model",
-                    cfg.model.path,
-                    "--dtype",
-                    cfg.model.dtype,
-                    "--host",
-                    inf.host,
-                    "--port",
-                    str(inf.base_port + i),
-                    "--device",
-                    inf.device,
-                    "--max-batch",
-                    str(inf.max_batch),
-                    "--kv-policy",
-                    inf.kv_policy,
-                    "--swap-policy",
-                    "in_flight" if cfg.in_flight_updates else "between_sequences",
-                    "--threads",
-                    str(inf.torch_threads),
-                    "--seed",
-                    str(cfg.seed + i),
-                ]
-                self._add(f"server-{i}", "server", cmd, metrics=False)
+                launch = launch_for(cfg, i)
+                self._add(f"server-{i}", "server", launch.cmd, metrics=False, env=launch.env)
+                self.server_startup_s = launch.startup_timeout_s
         stage_counts = [
             ("trainer", 1),
             ("loader", 1),
+            ("evaluator", 1 if cfg.eval.every else 0),
             ("preprocessor", cfg.launcher.preprocessors),
             ("verifier", cfg.launcher.verifiers),
             ("actor", cfg.launcher.actors),
@@ -150,39 +195,67 @@ class Launcher:
                 config_path = child_dir / "config.yaml"
                 config_path.write_text(dump_config(cfg))
                 cmd = [*py, role, "--config", str(config_path), "--bootstrap", self.bootstrap]
-                if role != "loader":
+                if role not in ("loader",):
                     cmd += ["--instance", str(i)]
-                self._add(name, role, cmd, metrics=role != "loader", restartable=role != "loader")
+                # The loader is idempotent (it writes only the missing records): restartable too.
+                self._add(name, role, cmd, metrics=role != "loader")
+
+        if cfg.track.to:
+            cmd = [
+                *py,
+                "track",
+                "--run",
+                cfg.run,
+                "--runs-dir",
+                cfg.runs_dir,
+                "--follow",
+                "--bootstrap",
+                self.bootstrap,
+            ]
+            self._add("tracker", "track", cmd, metrics=False, restartable=False)
 
     def _add(
-        self, name: str, role: str, cmd: list[str], metrics: bool = True, restartable: bool = True
+        self,
+        name: str,
+        role: str,
+        cmd: list[str],
+        metrics: bool = True,
+        restartable: bool = True,
+        env: dict[str, str] | None = None,
     ) -> None:
         child_dir = self.run_dir / name
         child_dir.mkdir(parents=True, exist_ok=True)
         port = free_port() if metrics else None
         if port is not None:
             cmd = [*cmd, "--metrics-port", str(port)]
-        (child_dir / "cmd.txt").write_text(" ".join(cmd) + "\n")
-        self.children.append(Child(name, role, cmd, child_dir, port, restartable))
+        env = env or {}
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+        (child_dir / "cmd.txt").write_text((prefix + " " if prefix else "") + shlex.join(cmd) + "\n")
+        self.children.append(Child(name, role, cmd, child_dir, port, restartable, env))
 
     def write_ports(self, launcher_port: int) -> None:
         """processes.json (for `stream-rl status`) and prometheus-targets.json (file_sd for
         deploy/prometheus.yml)."""
+        self._launcher_port = launcher_port
         ports = {c.name: c.metrics_port for c in self.children if c.metrics_port}
         servers = self.server_urls()
-        pids = {c.name: c.proc.pid for c in self.children if c.proc}
-        (self.run_dir / "processes.json").write_text(
+        # Live children only: a dead child's pid may already belong to another process.
+        pids = {c.name: c.proc.pid for c in self.children if c.proc and c.proc.poll() is None}
+        tmp = self.run_dir / "processes.json.tmp"
+        tmp.write_text(
             json.dumps(
                 {
                     "bootstrap": self.bootstrap,
                     "metrics_ports": ports,
                     "servers": servers,
                     "launcher_port": launcher_port,
+                    "launcher_pid": os.getpid(),
                     "pids": pids,
                 },
                 indent=2,
             )
         )
+        tmp.replace(self.run_dir / "processes.json")  # readers never see half a file
         run = self.config.run
 
         def target(address: str, process: str, role: str) -> dict[str, Any]:
@@ -194,10 +267,7 @@ class Launcher:
         (self.run_dir / "prometheus-targets.json").write_text(json.dumps(targets, indent=2))
 
     def server_urls(self) -> list[str]:
-        inf = self.config.inference
-        if inf.servers:
-            return [s.url for s in inf.servers]
-        return [f"http://{inf.host}:{inf.base_port + i}" for i in range(inf.num_servers)]
+        return self.config.inference.server_urls()
 
     # -- processes -------------------------------------------------------------------------
     def spawn(self, child: Child) -> None:
@@ -208,9 +278,12 @@ class Launcher:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=child_env(self.config),
+                env={**child_env(self.config, self.admin_token), **child.env},
+                preexec_fn=_die_with_parent,
             )
         child.started_at = time.monotonic()
+        if self._launcher_port is not None:
+            self.write_ports(self._launcher_port)  # a restarted child's new pid, for `status`
 
     def check_server_ports(self) -> None:
         """Fail before starting anything if a launched server's port is taken (another run?)."""
@@ -227,9 +300,10 @@ class Launcher:
                     f"choose others with --set inference.base_port=<port>"
                 )
 
-    def wait_for_servers(self, timeout: float = 120.0) -> None:
+    def wait_for_servers(self) -> None:
         import httpx
 
+        timeout = self.server_startup_s
         servers = [c for c in self.children if c.role == "server"]
         deadline = time.monotonic() + timeout
         for url in self.server_urls():
@@ -244,7 +318,9 @@ class Launcher:
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() > deadline:
-                    raise StreamRLError(f"inference server {url} not healthy after {timeout:.0f}s")
+                    raise StreamRLError(
+                        f"inference server {url} not healthy after {timeout:.0f}s (see its log in {self.run_dir}/server-*)"
+                    )
                 if self.stop:
                     return
                 time.sleep(0.3)
@@ -264,8 +340,8 @@ class Launcher:
             if child.proc is None or child.proc.poll() is None:
                 continue
             code = child.proc.returncode
-            if child.role == "loader" and code == 0:
-                continue  # the loader's job is done
+            if child.role in ("loader", "evaluator", "track") and code == 0:
+                continue  # its job is done (the evaluator's: the final version is evaluated)
             if child.role == "trainer" and code == 0:
                 self.exit_reason = "trainer finished"
                 return False
@@ -287,11 +363,37 @@ class Launcher:
             return False
         return True
 
+    def handle_stall(self, watchdog: Watchdog) -> bool:
+        """The watchdog's verdict: False when the run must stop (see stream_rl/watchdog.py)."""
+        now = time.monotonic()
+        stall = watchdog.check(now)
+        if stall is None:
+            return True
+        stuck = [c for c in self.children if stall.stage is not None and c.role == stall.stage]
+        cfg = self.config.launcher
+        live = [c for c in stuck if c.proc is not None and c.proc.poll() is None]
+        if cfg.restart and live and all(c.restarts < cfg.max_restarts for c in live):
+            for child in live:
+                print(f"\n{stall.message}: killing {child.name} to restart it", file=sys.stderr)
+                assert child.proc is not None
+                child.proc.kill()
+                child.proc.wait()
+            watchdog.reset(now)
+            return True  # check_children restarts them
+        self.stalled = stall.message
+        self.exit_reason = "stalled"
+        return False
+
     def stop_all(self) -> None:
         """SIGTERM in waves, each drained before the next: producers first (so downstream
         stages see their last records), the trainer after the stages, the servers last (an
         actor finishing its in-flight requests still needs them)."""
-        waves = [("loader", "actor"), ("verifier", "preprocessor"), ("trainer",), ("server",)]
+        waves = [
+            ("loader", "actor", "evaluator"),
+            ("verifier", "preprocessor"),
+            ("trainer", "track"),
+            ("server",),
+        ]
         for roles in waves:
             live = [c for c in self.children if c.role in roles and c.proc and c.proc.poll() is None]
             for child in live:
@@ -309,6 +411,27 @@ class Launcher:
                     )
                     child.proc.kill()
                     child.proc.wait()
+
+    def wait_for_eval(self, monitor: Any, version: int, what: str) -> None:
+        """With an evaluator: wait (up to `eval.timeout_s`) for its result of `version` (the final
+        version's: the servers stay up until it is evaluated)."""
+        evaluator = next((c for c in self.children if c.role == "evaluator"), None)
+        if evaluator is None:
+            return
+        deadline = time.monotonic() + self.config.eval.timeout_s
+        while not self.stop and not monitor.has_eval(version):
+            monitor.tick()
+            proc = evaluator.proc
+            if proc is not None and proc.poll() is not None and proc.returncode != 0:
+                return  # check_children reports it
+            if time.monotonic() > deadline:
+                print(
+                    f"\nwarning: no evaluation of {what} (version {version}) within "
+                    f"eval.timeout_s={self.config.eval.timeout_s:.0f}s; going on (see {evaluator.log})",
+                    file=sys.stderr,
+                )
+                return
+            time.sleep(0.2)
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -334,11 +457,16 @@ class Launcher:
         from stream_rl.monitor import RunMonitor
 
         started = time.monotonic()
+        self.check_config()
+        engine_version = check_engine(self.config)
+        if engine_version:
+            print(f"inference engine: {self.config.inference.engine} {engine_version}", file=sys.stderr)
         self.bootstrap = self.start_broker()
+        identity = self.check_identity()
         self.apply_topics()
         self.plan()
         self.check_server_ports()
-        monitor = RunMonitor(self.config, self.bootstrap)
+        monitor = RunMonitor(self.config, self.bootstrap, since_version=identity.last_version)
         try:
             for child in self.children:
                 if child.role == "server":
@@ -350,13 +478,20 @@ class Launcher:
             self.write_ports(serve_metrics(0))
             monitor.start()
             max_wall = self.config.launcher.max_wall_s
+            stall_s = self.config.launcher.stall_timeout_s
+            watchdog = Watchdog(stall_s) if stall_s is not None else None
             while not self.stop:
                 if not self.check_children():
                     break
                 monitor.tick()
+                if watchdog is not None and monitor.sample is not None:
+                    watchdog.observe(time.monotonic(), monitor.sample)
+                    if not self.handle_stall(watchdog):
+                        break
                 latest = monitor.latest
                 if latest is not None and latest.kind == WeightVersionKind.FINAL:
                     self.exit_reason = f"reached max_steps ({latest.step})"
+                    self.wait_for_eval(monitor, latest.version, "the final version")
                     break
                 if max_wall is not None and time.monotonic() - started > max_wall:
                     self.exit_reason = f"max_wall_s ({max_wall:.0f}s) reached"
@@ -366,6 +501,8 @@ class Launcher:
                 self.exit_reason = self.stop.reason or "stopped"
         finally:
             self.stop_all()
+            if self._launcher_port is not None:
+                self.write_ports(self._launcher_port)  # no pids left: the run is over
             monitor.close()
             summary = monitor.finish(
                 wall_s=time.monotonic() - started,
@@ -375,17 +512,49 @@ class Launcher:
         if self.failed is not None:
             print(f"\nrun {self.config.run} stopped: {self.death_message(self.failed)}", file=sys.stderr)
             return 1
+        if self.stalled is not None:
+            print(f"\nrun {self.config.run} stopped: {self.stalled}", file=sys.stderr)
+            return 1
         _print_summary(summary, self.run_dir)
         return 0
 
 
-def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
-    r = summary.get("reward", {})
-    print(
-        f"\nrun finished ({summary.get('exit_reason')}) in {summary.get('wall_s', 0):.0f}s: "
-        f"versions {summary.get('versions', {}).get('last', '-')}, "
-        f"reward {r.get('first3_mean', float('nan')):.3f} -> {r.get('last3_mean', float('nan')):.3f}"
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM it when the launcher dies, however it dies (a killed or
+    crashed launcher otherwise leaves its stages running, waiting on a broker that is gone)."""
+    import contextlib
+    import ctypes
+
+    with contextlib.suppress(OSError):  # not Linux: children may outlive a crashed launcher
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def _fmt(value: Any, spec: str = ".3f") -> str:
+    return "-" if not isinstance(value, int | float) else format(value, spec)
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    """One line for what this invocation trained (never the figures of an earlier invocation)."""
+    v = summary.get("versions") or {}
+    r = summary.get("reward") or {}
+    how = "finished" if str(summary.get("exit_reason", "")).startswith("reached max_steps") else "stopped"
+    head = f"run {summary.get('run')} {how} ({summary.get('exit_reason')}) after {_fmt(summary.get('wall_s'), '.0f')}s"
+    if summary.get("resumed_from") is not None:
+        head += f", resumed at version {summary['resumed_from']}"
+    if not v.get("count"):
+        return head + ": no version trained by this invocation"
+    line = (
+        f"{head}: trained versions {v.get('first')}-{v.get('last')}, reward "
+        f"{_fmt(r.get('first3_mean'))} -> {_fmt(r.get('last3_mean'))}"
     )
+    ev = (summary.get("eval") or {}).get("last")
+    if ev:
+        line += f", eval pass@1 {_fmt((summary['eval'].get('first') or {}).get('pass_at_1'))} -> {_fmt(ev.get('pass_at_1'))} (version {ev.get('version')})"
+    return line
+
+
+def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
+    print("\n" + summary_line(summary))
     print(f"summary: {run_dir / 'summary.json'}; plots: {run_dir / 'plots'}")
 
 

@@ -1,6 +1,9 @@
-"""What the launcher watches while a run goes: the `weight-versions` lineage, broker lag per
-consumer group and topic end offsets, sampled into `runs/<run>/timeline.jsonl`; a progress bar;
-at the end `summary.json` and the plots (`stream_rl/report.py`)."""
+"""What the launcher watches while a run goes: the `weight-versions` lineage, the `eval-results`,
+broker lag per consumer group and topic end offsets, sampled into `runs/<run>/timeline.jsonl`; a
+progress bar; at the end `summary.json` and the plots (`stream_rl/report.py`, `stream_rl/plots.py`).
+
+A resumed run's timeline gets a new `start` record (with `resumed_from`, the lineage's last version
+at the start) and only the versions this invocation trains, so its summary describes them alone."""
 
 from __future__ import annotations
 
@@ -12,14 +15,16 @@ from typing import IO, Any
 from tqdm import tqdm
 
 from stream_rl.config import RunConfig
-from stream_rl.contracts import WeightVersion
+from stream_rl.contracts import EvalResult, WeightVersion
 from stream_rl.errors import KafkaError
 from stream_rl.kafka.client import KafkaTransport
-from stream_rl.kafka.follower import VersionFollower
+from stream_rl.kafka.follower import RecordFollower, VersionFollower
 from stream_rl.kafka.lag import LagExporter
-from stream_rl.kafka.topics import PROBLEMS, RAW_ROLLOUTS, SCORED, TRAINING_BATCHES, TopicNames
+from stream_rl.kafka.topics import EVAL_RESULTS, PROBLEMS, RAW_ROLLOUTS, SCORED, TRAINING_BATCHES, TopicNames
+from stream_rl.watchdog import Sample
 
-SAMPLE_EVERY_S = 2.0
+SAMPLE_EVERY_S = 5.0
+"""Lag and offsets sampling period (each sample is a few dozen broker requests)."""
 STAGE_TOPICS = {
     "loader": PROBLEMS,
     "actor": RAW_ROLLOUTS,
@@ -29,7 +34,9 @@ STAGE_TOPICS = {
 
 
 class RunMonitor:
-    def __init__(self, config: RunConfig, bootstrap: str, progress: bool = True) -> None:
+    def __init__(
+        self, config: RunConfig, bootstrap: str, progress: bool = True, since_version: int | None = None
+    ) -> None:
         self.config = config
         self.run_dir = config.run_dir
         self.kafka = KafkaTransport(bootstrap)
@@ -38,8 +45,15 @@ class RunMonitor:
         self._timeline_path = self.run_dir / "timeline.jsonl"
         self._timeline: IO[str] | None = None
         self._follower = VersionFollower(self.kafka, self.names, client_id="launcher", keep_history=True)
+        self._evals = RecordFollower(self.kafka, self.names[EVAL_RESULTS], EvalResult, "launcher-evals")
+        self.since_version = since_version
+        self.evals: list[EvalResult] = []
+        self._evals_seen = 0
         self._lag = LagExporter(self.kafka, self.names)  # also served on the launcher's /metrics
-        self._seen = 0
+        self._last_version: WeightVersion | None = None
+        self._step_offsets = 0
+        self.sample: Sample | None = None
+        """The latest progress sample (for the launcher's watchdog)."""
         self._last_sample = 0.0
         self._bar: tqdm[Any] | None = None
         self._progress = progress
@@ -47,8 +61,16 @@ class RunMonitor:
     def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._timeline = open(self._timeline_path, "a")  # noqa: SIM115 - lives until finish()
-        self._write({"kind": "start", "wall_time": self.t0, "config": self.config.run})
+        self._write(
+            {
+                "kind": "start",
+                "wall_time": self.t0,
+                "config": self.config.run,
+                "resumed_from": self.since_version,
+            }
+        )
         self._follower.start()
+        self._evals.start()
         if self._progress:
             self._bar = tqdm(
                 total=self.config.trainer.max_steps,
@@ -71,8 +93,10 @@ class RunMonitor:
 
     def tick(self) -> None:
         """Record new versions, sample lag/offsets every few seconds, refresh the bar."""
-        history = self._follower.history
-        for wv in history[self._seen :]:
+        new = self._follower.drain()
+        for wv in new:
+            if self.since_version is not None and wv.version <= self.since_version:
+                continue  # trained by an earlier invocation
             # The step's metrics first: the lineage fields (cumulative counters) win on a name clash.
             self._write(
                 {
@@ -91,20 +115,33 @@ class RunMonitor:
             )
             if self._bar is not None and wv.step > self._bar.n:
                 self._bar.update(wv.step - self._bar.n)
-        self._seen = len(history)
+        for wv in new:
+            consumed = self._consumed(wv)
+            if self._last_version is not None and wv.version == self._last_version.version + 1:
+                self._step_offsets = max(consumed - self._consumed(self._last_version), 0)
+            self._last_version = wv
+        evals = self._evals.records
+        for ev in evals[self._evals_seen :]:
+            if self.since_version is not None and ev.version <= self.since_version:
+                continue
+            self.evals.append(ev)
+            self._write({"kind": "eval", **ev.to_dict()})
+        self._evals_seen = len(evals)
         now = time.time()
         if now - self._last_sample >= SAMPLE_EVERY_S:
             self._last_sample = now
             self._sample()
-        if self._bar is not None and history:
-            last = history[-1]
+        if self._bar is not None and self._last_version is not None:
+            last = self._last_version
             elapsed = max(now - self.t0, 1e-9)
-            self._bar.set_postfix(
-                reward=f"{last.metrics.get('reward_mean', float('nan')):.3f}",
-                lag=f"{last.metrics.get('version_lag_mean', float('nan')):.2f}",
-                samples_s=f"{last.samples_trained / elapsed:.1f}",
-                refresh=False,
-            )
+            postfix = {
+                "reward": f"{last.metrics.get('reward_mean', float('nan')):.3f}",
+                "lag": f"{last.metrics.get('version_lag_mean', float('nan')):.2f}",
+                "samples_s": f"{last.samples_trained / elapsed:.1f}",
+            }
+            if self.evals and self.evals[-1].pass_at_1 is not None:
+                postfix["eval"] = f"{self.evals[-1].pass_at_1:.3f}@v{self.evals[-1].version}"
+            self._bar.set_postfix(postfix, refresh=False)
 
     def _sample(self) -> None:
         try:
@@ -118,12 +155,30 @@ class RunMonitor:
                 lags[role] = lags.get(role, 0) + x.lag
         except KafkaError:
             return  # a transient admin failure costs one sample, not the run
+        latest = self._follower.latest
+        self.sample = Sample(
+            version=latest.version if latest else None,
+            outputs=offsets,
+            lags=lags,
+            untrained=max(offsets.get("preprocessor", 0) - self._consumed(latest), 0) if latest else 0,
+            step_offsets=self._step_offsets,
+        )
         self._write({"kind": "offsets", "offsets": offsets})
         self._write({"kind": "lag", "lag": lags})
+
+    def _consumed(self, wv: WeightVersion | None) -> int:
+        """Offsets of training-batches a version had consumed."""
+        topic = self.names[TRAINING_BATCHES]
+        return sum(o.offset for o in (wv.consumed_offsets if wv else []) if o.topic == topic)
+
+    def has_eval(self, version: int) -> bool:
+        """Whether the eval-results of `version` has been seen."""
+        return any(ev.version == version for ev in self._evals.records)
 
     def close(self) -> None:
         self.tick()
         self._follower.stop()
+        self._evals.stop()
         if self._bar is not None:
             self._bar.close()
 

@@ -16,17 +16,19 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from stream_rl.cli import add_common
 from stream_rl.config import load_config
-from stream_rl.contracts import WeightVersion
-from stream_rl.errors import ContractError, StreamRLError
+from stream_rl.contracts import Contract, EvalResult, WeightVersion
+from stream_rl.errors import ContractError, KafkaError, StreamRLError
 from stream_rl.kafka.broker import pid_alive, resolve_bootstrap
 from stream_rl.kafka.lag import run_lags
 from stream_rl.kafka.serde import default_serde
-from stream_rl.kafka.topics import WEIGHT_VERSIONS, TopicNames
+from stream_rl.kafka.topics import EVAL_RESULTS, WEIGHT_VERSIONS, TopicNames
 from stream_rl.kafka.transport import Transport
+
+C = TypeVar("C", bound=Contract)
 
 
 def scrape(url: str, timeout: float = 1.0) -> dict[str, float] | None:
@@ -45,9 +47,12 @@ def scrape(url: str, timeout: float = 1.0) -> dict[str, float] | None:
     return out
 
 
-def latest_version(transport: Transport, names: TopicNames) -> WeightVersion | None:
-    topic = names[WEIGHT_VERSIONS]
-    low, high = transport.watermarks(topic).get(0, (0, 0))
+def _last_record(transport: Transport, topic: str, cls: type[C]) -> C | None:
+    """The last decodable record of a single-partition topic (None when empty or missing)."""
+    try:
+        low, high = transport.watermarks(topic).get(0, (0, 0))
+    except KafkaError:  # no such topic (a run from before the topic existed)
+        return None
     if high <= low:
         return None
     consumer = transport.consumer(None, "stream-rl-status")
@@ -58,10 +63,30 @@ def latest_version(transport: Transport, names: TopicNames) -> WeightVersion | N
         consumer.close()
     for msg in reversed(msgs):
         try:
-            return default_serde().decode(msg.value, WeightVersion)
+            return default_serde().decode(msg.value, cls)
         except ContractError:
             continue
     return None
+
+
+def latest_version(transport: Transport, names: TopicNames) -> WeightVersion | None:
+    return _last_record(transport, names[WEIGHT_VERSIONS], WeightVersion)
+
+
+def latest_eval(transport: Transport, names: TopicNames) -> EvalResult | None:
+    return _last_record(transport, names[EVAL_RESULTS], EvalResult)
+
+
+def eval_line(ev: EvalResult | None) -> str:
+    if ev is None:
+        return "eval: no evaluation published yet (eval.every > 0 runs the evaluator)"
+    parts = [f"eval: version {ev.version} on {ev.split} ({ev.num_problems} problems)"]
+    if ev.pass_at_1 is not None:
+        parts.append(f"pass@1 {ev.pass_at_1:.3f}")
+    if ev.pass_at_k is not None:
+        parts.append(f"pass@{ev.k} {ev.pass_at_k:.3f} (T={ev.temperature:g})")
+    parts.append(f"mean length {ev.mean_length:.1f}, off-version tokens {ev.off_version_token_frac:.3f}")
+    return ", ".join(parts)
 
 
 def table(rows: Sequence[Sequence[str]]) -> str:
@@ -105,6 +130,7 @@ class StatusView:
                 f"{m.get('version_lag_mean', float('nan')):.2f} max {m.get('version_lag_max', float('nan')):.0f}, "
                 f"broadcast {wv.broadcast_ms:.0f} ms, servers failed {len(wv.servers_failed)}"
             )
+            parts.append(eval_line(latest_eval(self.transport, self.names)))
         if procs:
             rows: list[tuple[str, ...]] = [("process", "pid", "alive", "in/s", "out/s", "dlq")]
             for name, port in sorted(procs.get("metrics_ports", {}).items()):

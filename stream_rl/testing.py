@@ -7,6 +7,7 @@ import struct
 
 from stream_rl.contracts import (
     ChatMessage,
+    EvalResult,
     PartialGroup,
     PartitionOffset,
     PendingSample,
@@ -173,6 +174,32 @@ def make_partial_group(i: int = 0, received: int = 2, group_size: int = 4) -> Pa
     )
 
 
+def make_eval_result(version: int = 4) -> EvalResult:
+    return EvalResult(
+        run_id="r",
+        version=version,
+        task="arithmetic",
+        split="held-out",
+        num_problems=4,
+        pass_at_1=0.75,
+        k=2,
+        temperature=1.0,
+        sampled_pass_at_1=0.5,
+        pass_at_k=0.75,
+        mean_reward=0.58,
+        mean_length=3.0,
+        verdicts={"correct": 7, "wrong": 5},
+        tokens=36,
+        off_version_tokens=3,
+        min_token_version=version,
+        max_token_version=version + 1,
+        greedy_correct=["arithmetic-1+2", "arithmetic-3+4", "arithmetic-5+6"],
+        evaluator_id="eval-0",
+        started_ms=1_700_000_000_600,
+        finished_ms=1_700_000_000_700,
+    )
+
+
 def examples() -> list[object]:
     """One of each contract."""
     return [
@@ -182,4 +209,5 @@ def examples() -> list[object]:
         make_batch(),
         make_weight_version(2),
         make_partial_group(3),
+        make_eval_result(),
     ]

@@ -51,3 +51,39 @@ def run_names(kafka) -> TopicNames:  # type: ignore[no-untyped-def]
     names = TopicNames(run=new_run_id())
     apply_topics(kafka, names, partitions=2)
     return names
+
+
+# -- the session's vLLM server (tests marked `vllm`) ---------------------------------------------
+
+_VLLM: dict[str, object] = {}
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the vLLM server in the background as soon as a selected test needs it: it takes a
+    minute or more, and the other tests run meanwhile."""
+    if any("vllm_server" in getattr(item, "fixturenames", ()) for item in session.items):
+        from vllm_fixture import VLLMServer
+
+        base = Path(session.config._tmp_path_factory.mktemp("vllm"))  # type: ignore[attr-defined]
+        server = VLLMServer(base)
+        server.start_in_background()
+        _VLLM["server"] = server
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    server = _VLLM.pop("server", None)
+    if server is not None:
+        server.stop()  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="session")
+def vllm_server() -> object:
+    """The running vLLM server (`tests/vllm_fixture.VLLMServer`: url, model, log)."""
+    server = _VLLM.get("server")
+    if server is None:
+        pytest.fail("the vLLM server was not started at collection (vllm_server used indirectly?)")
+    try:
+        server.wait()  # type: ignore[attr-defined]
+    except RuntimeError as exc:
+        pytest.fail(f"vLLM test server: {exc}")
+    return server

@@ -6,7 +6,7 @@ ordered version spans); the serde calls it on both sides, so an invalid record n
 a stage: it goes to the DLQ instead.
 
 Split by role: `core` (protocol, enums, version spans), `records` (the rollout path),
-`versions` (weight versions), `state` (the preprocessor's state).
+`versions` (weight versions), `evals` (eval results), `state` (the preprocessor's state).
 """
 
 from __future__ import annotations
@@ -21,18 +21,29 @@ from stream_rl.contracts.core import (
     token_versions,
     validate_spans,
 )
+from stream_rl.contracts.evals import EvalResult
 from stream_rl.contracts.records import Problem, Rollout, ScoredRollout, TrainingBatch, TrainingSample
 from stream_rl.contracts.state import PartialGroup, PendingSample
 from stream_rl.contracts.versions import PartitionOffset, WeightVersion
 
 CONTRACTS: dict[str, type[Contract]] = {
-    cls.SCHEMA: cls for cls in (Problem, Rollout, ScoredRollout, TrainingBatch, WeightVersion, PartialGroup)
+    cls.SCHEMA: cls
+    for cls in (
+        Problem,
+        Rollout,
+        ScoredRollout,
+        TrainingBatch,
+        WeightVersion,
+        PartialGroup,
+        EvalResult,
+    )
 }
 
 __all__ = [
     "CONTRACTS",
     "ChatMessage",
     "Contract",
+    "EvalResult",
     "PartialGroup",
     "PartitionOffset",
     "PendingSample",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, ClassVar, Protocol, Self
@@ -45,6 +47,32 @@ def require(cond: bool, what: str) -> None:
         raise ContractError(what)
 
 
+VALUE_LIMIT = 1e9
+"""Largest magnitude a reward or an advantage may have: larger finite values overflow sums
+(a group's mean, a loss) long before they mean anything."""
+
+
+def require_finite(value: float, what: str, limit: float = VALUE_LIMIT) -> None:
+    """`value` is a finite number of magnitude at most `limit`."""
+    require(
+        math.isfinite(value) and abs(value) <= limit,
+        f"{what} is {value!r} (must be finite, |x| <= {limit:g})",
+    )
+
+
+def require_all_finite(values: Iterable[float], what: str, limit: float = VALUE_LIMIT) -> None:
+    for i, v in enumerate(values):
+        if not (math.isfinite(v) and abs(v) <= limit):
+            raise ContractError(f"{what}[{i}] is {v!r} (must be finite, |x| <= {limit:g})")
+
+
+def require_logprobs(values: Iterable[float], what: str) -> None:
+    """Log-probabilities: finite and <= 0."""
+    for i, v in enumerate(values):
+        if not (math.isfinite(v) and v <= 0.0):
+            raise ContractError(f"{what}[{i}] is {v!r} (a logprob must be finite and <= 0)")
+
+
 @dataclass(slots=True)
 class ChatMessage:
     role: str
@@ -77,6 +105,7 @@ def validate_spans(spans: list[VersionSpan], length: int, what: str) -> None:
     """Spans start at 0 (when there are tokens) and strictly increase in start. Versions normally
     increase along a sequence, but may go down: a trainer restarted from a checkpoint re-installs
     its (older, bit-identical) version on the servers while sequences are decoding."""
+    require(all(s.version >= 0 for s in spans), f"{what}: a version span carries a negative version")
     if length == 0:
         require(all(s.start == 0 for s in spans), f"{what}: spans on an empty completion must start at 0")
         return

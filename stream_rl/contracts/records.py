@@ -5,7 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from stream_rl.contracts.core import ChatMessage, Verdict, VersionSpan, now_ms, require, validate_spans
+from stream_rl.contracts.core import (
+    ChatMessage,
+    Verdict,
+    VersionSpan,
+    now_ms,
+    require,
+    require_all_finite,
+    require_finite,
+    require_logprobs,
+    validate_spans,
+)
 
 
 @dataclass(slots=True)
@@ -138,6 +148,14 @@ class Rollout:
         n = len(self.completion_token_ids)
         require(0 <= self.sample_index < self.group_size, f"{what}: sample_index outside [0, group_size)")
         require(len(self.logprobs) == n, f"{what}: {len(self.logprobs)} logprobs for {n} completion tokens")
+        require_logprobs(self.logprobs, f"{what}: logprobs")
+        require(
+            all(t >= 0 for t in self.prompt_token_ids) and all(t >= 0 for t in self.completion_token_ids),
+            f"{what}: a token id is negative",
+        )
+        require(self.num_turns >= 1, f"{what}: num_turns must be >= 1")
+        require_finite(self.generation_ms, f"{what}: generation_ms", limit=1e12)
+        require(self.generation_ms >= 0, f"{what}: generation_ms is negative")
         if self.completion_mask is not None:
             require(len(self.completion_mask) == n, f"{what}: completion_mask length != completion length")
         require(bool(self.prompt_token_ids), f"{what}: prompt_token_ids is empty")
@@ -177,7 +195,7 @@ class ScoredRollout:
 
     def validate(self) -> None:
         self.rollout.validate()
-        require(self.reward == self.reward, f"ScoredRollout {self.rollout.rollout_id}: reward is NaN")
+        require_finite(self.reward, f"ScoredRollout {self.rollout.rollout_id}: reward")
 
 
 @dataclass(slots=True)
@@ -238,6 +256,10 @@ class TrainingSample:
         for name in ("loss_mask", "advantages", "behaviour_logprobs"):
             got = len(getattr(self, name))
             require(got == n, f"{what}: {name} has {got} entries for {n} completion tokens")
+        require(all(t >= 0 for t in self.input_ids), f"{what}: a token id is negative")
+        require_all_finite(self.advantages, f"{what}: advantages")
+        require_logprobs(self.behaviour_logprobs, f"{what}: behaviour_logprobs")
+        require_finite(self.reward, f"{what}: reward")
         validate_spans(self.version_spans, n, what)
 
 

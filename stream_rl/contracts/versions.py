@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -89,4 +90,14 @@ class WeightVersion:
 
     def validate(self) -> None:
         require(self.version >= 0, "WeightVersion.version is negative")
+        what = f"WeightVersion {self.version}"
+        for name in ("step", "samples_trained", "tokens_trained", "samples_filtered"):
+            require(getattr(self, name) >= 0, f"{what}: {name} is negative")
+        require(
+            math.isfinite(self.broadcast_ms) and self.broadcast_ms >= 0,
+            f"{what}: broadcast_ms must be finite, >= 0",
+        )
+        require(
+            all(o.offset >= 0 and o.partition >= 0 for o in self.consumed_offsets), f"{what}: negative offset"
+        )
         require(bool(self.checksum), f"WeightVersion {self.version}: checksum is empty")

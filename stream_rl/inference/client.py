@@ -1,52 +1,65 @@
-"""A small async client of one inference server (what the actor calls).
+"""Clients of inference servers: one per engine, every one returning `Completion`s.
 
-    async with InferenceClient("http://127.0.0.1:8100") as client:
+    async with make_client("builtin", "http://127.0.0.1:8100") as client:
         c = await client.complete([4, 9, 13], SamplingConfig(max_tokens=8))
         c.token_ids, c.logprobs, c.version_spans, c.finish_reason
 
-A prompt given as token ids goes to `/v1/completions` (ids used as they are); a prompt given as
-chat messages goes to `/v1/chat/completions` (the server applies the chat template). Either way
-the result carries the prompt's token ids, the completion's ids and logprobs, and the version
-spans. Failures raise InferenceError with the server's message; retries are the caller's.
+A prompt given as token ids is used as it is; a prompt given as chat messages is rendered by the
+server (its chat template). Each engine's client maps that engine's own response fields into
+`Completion` (`stream_rl/inference/completion.py`): the built-in server's here, vLLM's in
+`vllm_client.py`, SGLang's in `sglang_client.py`. The README's engine table says which fields.
+
+Errors (retries are the caller's, `stream_rl/stages/routing.py`):
+- `BadRequestError`: the server refused the request as invalid (400, 413, 422), with its message.
+- `InferenceError`: anything else: unreachable, a timeout, another non-2xx status, or a 200 whose
+  body is not what the engine's API promises (the message quotes the body's first bytes).
+`health()` accepts any 200 (vLLM and SGLang answer with an empty body).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import json
+from typing import Any, ClassVar, TypeVar
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
 from stream_rl.config import SamplingConfig
-from stream_rl.errors import InferenceError
-from stream_rl.inference.sequence import VersionSpan
+from stream_rl.errors import BadRequestError, ConfigError, InferenceError
+from stream_rl.inference.completion import Completion
 
 Messages = list[dict[str, Any]]
+Prompt = list[int] | Messages
+M = TypeVar("M", bound=BaseModel)
+
+REQUEST_FAULTS = (400, 413, 422)
+"""Statuses that blame the request, not the server."""
+_QUOTE = 200  # bytes of an unexpected body quoted in errors
 
 
-@dataclass(frozen=True)
-class Completion:
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    version_spans: list[VersionSpan]
-    text: str
-    finish_reason: str
+def quote(body: bytes | str) -> str:
+    text = body.decode(errors="replace") if isinstance(body, bytes) else body
+    return repr(text[:_QUOTE]) + ("..." if len(text) > _QUOTE else "")
+
+
+def is_chat(prompt: Prompt) -> bool:
+    if not prompt:
+        raise InferenceError("the prompt is empty")
+    return isinstance(prompt[0], dict)
 
 
 class InferenceClient:
+    """HTTP plumbing shared by the engines' clients; subclasses implement `complete_many` and
+    `version`."""
+
+    engine: ClassVar[str] = "engine"
+
     def __init__(
-        self,
-        base_url: str,
-        *,
-        timeout_s: float = 120.0,
-        admin_token: str | None = None,
-        http: httpx.AsyncClient | None = None,
+        self, base_url: str, *, timeout_s: float = 120.0, http: httpx.AsyncClient | None = None
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self._own = http is None
         self._http = http or httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=256))
-        self._admin = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
 
     async def __aenter__(self) -> InferenceClient:
         return self
@@ -58,31 +71,89 @@ class InferenceClient:
         if self._own:
             await self._http.aclose()
 
-    async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+    async def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        """One call; the decoded JSON answer (None for an empty 2xx body). Raises as the module
+        docstring says."""
         url = f"{self.base_url}{path}"
         try:
-            response = await self._http.request(method, url, **kwargs)
+            response = await self._http.request(method, url, json=body)
         except httpx.HTTPError as exc:
             raise InferenceError(f"{method} {url} failed: {type(exc).__name__}: {exc}") from exc
-        if response.status_code != 200:
-            try:
-                message = response.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = response.text[:200]
+        if response.status_code >= 300:
+            message = _error_message(response)
+            if response.status_code in REQUEST_FAULTS:
+                raise BadRequestError(
+                    f"{method} {url}: HTTP {response.status_code}: {message}", response.status_code
+                )
             raise InferenceError(f"{method} {url}: HTTP {response.status_code}: {message}")
-        return response.json()
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise InferenceError(
+                f"{method} {url}: the answer is not JSON: {quote(response.content)}"
+            ) from exc
+
+    def parse(self, model: type[M], data: Any, path: str) -> M:
+        """`data` as `model`; a mismatch is the server's fault (InferenceError quoting the body)."""
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise InferenceError(
+                f"{self.base_url}{path}: unexpected {self.engine} answer ({where}: {first['msg']}): "
+                f"{quote(json.dumps(data))}"
+            ) from exc
 
     async def complete_many(
-        self,
-        prompt: list[int] | Messages,
-        sampling: SamplingConfig,
-        *,
-        n: int = 1,
-        seed: int | None = None,
+        self, prompt: Prompt, sampling: SamplingConfig, *, n: int = 1, seed: int | None = None
     ) -> list[Completion]:
-        """n samples of one prompt (the server prefills the prompt once)."""
-        if not prompt:
-            raise InferenceError("the prompt is empty")
+        """n samples of one prompt in one request (the server prefills the prompt once)."""
+        raise NotImplementedError
+
+    async def complete(
+        self, prompt: Prompt, sampling: SamplingConfig, *, seed: int | None = None
+    ) -> Completion:
+        """One sample of one prompt (token ids or chat messages)."""
+        return (await self.complete_many(prompt, sampling, n=1, seed=seed))[0]
+
+    async def health(self) -> None:
+        """Returns if the server answers `GET /health` with 200; InferenceError otherwise."""
+        await self.call("GET", "/health")
+
+    async def version(self) -> int | None:
+        """The weight version the server holds now (None: unknown)."""
+        raise NotImplementedError
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The message of an OpenAI-style (`{"error": {"message"}}`), vLLM or FastAPI error body."""
+    try:
+        data = response.json()
+    except ValueError:
+        return quote(response.content)
+    if isinstance(data, dict):
+        error = data.get("error", data.get("detail", data.get("message")))
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if error is not None:
+            return str(error)
+    return quote(response.content)
+
+
+class BuiltinClient(InferenceClient):
+    """The built-in server (`stream-rl serve`): OpenAI routes with `token_ids`, `version_spans`
+    and `prompt_token_ids` (typed by `stream_rl.inference.protocol`)."""
+
+    engine = "builtin"
+
+    async def complete_many(
+        self, prompt: Prompt, sampling: SamplingConfig, *, n: int = 1, seed: int | None = None
+    ) -> list[Completion]:
+        from stream_rl.inference.protocol import ChatCompletionResponse, TextCompletionResponse
+
         body: dict[str, Any] = {
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
@@ -94,45 +165,54 @@ class InferenceClient:
             body["stop"] = list(sampling.stop)
         if seed is not None:
             body["seed"] = seed
-        chat = isinstance(prompt[0], dict)
-        if chat:
-            data = await self._call(
-                "POST", "/v1/chat/completions", json={**body, "messages": prompt, "logprobs": True}
-            )
+        response: ChatCompletionResponse | TextCompletionResponse
+        if is_chat(prompt):
+            path = "/v1/chat/completions"
+            data = await self.call("POST", path, {**body, "messages": prompt, "logprobs": True})
+            response = self.parse(ChatCompletionResponse, data, path)
         else:
-            data = await self._call("POST", "/v1/completions", json={**body, "prompt": prompt, "logprobs": 0})
+            path = "/v1/completions"
+            data = await self.call("POST", path, {**body, "prompt": prompt, "logprobs": 0})
+            response = self.parse(TextCompletionResponse, data, path)
         out = []
-        for choice in sorted(data["choices"], key=lambda c: c["index"]):
-            if chat:
-                text = choice["message"]["content"] or ""
-                logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]
-            else:
-                text = choice["text"]
-                logprobs = choice["logprobs"]["token_logprobs"]
+        for choice in sorted(response.choices, key=lambda c: c.index):
             out.append(
                 Completion(
-                    prompt_token_ids=data["prompt_token_ids"],
-                    token_ids=choice["token_ids"],
-                    logprobs=logprobs,
-                    version_spans=[VersionSpan(s["version"], s["start"]) for s in choice["version_spans"]],
-                    text=text,
-                    finish_reason=choice["finish_reason"],
+                    prompt_token_ids=response.prompt_token_ids,
+                    token_ids=choice.token_ids,
+                    logprobs=choice.token_logprobs(),
+                    version_spans=[s.span() for s in choice.version_spans],
+                    text=choice.output_text(),
+                    finish_reason=choice.finish_reason,
                 )
             )
+        if len(out) != n:
+            raise InferenceError(f"{self.base_url}{path}: {len(out)} choices for n={n}")
         return out
 
-    async def complete(
-        self, prompt: list[int] | Messages, sampling: SamplingConfig, *, seed: int | None = None
-    ) -> Completion:
-        """One sample of one prompt (token ids or chat messages)."""
-        return (await self.complete_many(prompt, sampling, n=1, seed=seed))[0]
+    async def version(self) -> int | None:
+        data = await self.call("GET", "/v1/models")
+        try:
+            return int(data["data"][0]["version"])
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise InferenceError(
+                f"{self.base_url}/v1/models: no version in {quote(json.dumps(data))}"
+            ) from exc
 
-    async def health(self) -> dict[str, Any]:
-        """`{"status": "ok", "version": v}`; InferenceError when the server is down or unhealthy."""
-        result: dict[str, Any] = await self._call("GET", "/health")
-        return result
 
-    async def version(self) -> int:
-        """The weight version in force (needs the admin token when the server has one)."""
-        data = await self._call("GET", "/weights/version", headers=self._admin)
-        return int(data["version"])
+ENGINES = ("builtin", "vllm", "sglang")
+
+
+def make_client(engine: str, base_url: str, *, timeout_s: float = 120.0) -> InferenceClient:
+    """The client of a server of `engine` (`builtin`, `vllm`, `sglang`)."""
+    if engine == "builtin":
+        return BuiltinClient(base_url, timeout_s=timeout_s)
+    if engine == "vllm":
+        from stream_rl.inference.vllm_client import VLLMClient
+
+        return VLLMClient(base_url, timeout_s=timeout_s)
+    if engine == "sglang":
+        from stream_rl.inference.sglang_client import SGLangClient
+
+        return SGLangClient(base_url, timeout_s=timeout_s)
+    raise ConfigError(f"inference engine must be one of {', '.join(ENGINES)}, got {engine!r}")

@@ -24,6 +24,9 @@ from stream_rl.inference.model_maker import byte_symbols
 class Receiver(Protocol):
     """What the server needs of `stream_rl.weights.receiver.WeightReceiver`."""
 
+    ready: Any
+    """After `receive`: a CUDA event the swap must wait for (None: the bytes are in place)."""
+
     def receive(self, metas: list[Any], bucket_bytes: int, into: Callable[[Any], Any]) -> float: ...
 
     def close(self) -> None: ...
@@ -90,6 +93,10 @@ class ServerContext:
     admin_token: str | None = None
     weights_timeout_s: float = 60.0
     receiver: Receiver | None = None
+    ipc_peer: str | None = None
+    """The GPU uuid of a trainer that joined over CUDA IPC (`ipc_routes.py`)."""
+    ipc_stream: Any = None
+    """The CUDA stream CUDA IPC updates are copied on (created at the first init_ipc)."""
     weights_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     pieces: TokenPieces = field(init=False)
 

@@ -104,6 +104,9 @@ class _Swap:
     future: concurrent.futures.Future[SwapResult]
     requested: float = 0.0
     """`time.perf_counter()` when the swap was requested (start of a between-sequences drain)."""
+    ready: Any = None
+    """CUDA: an event after which `tensors` hold their bytes (the receive stream's); the decode
+    stream waits for it on the GPU before the swap, so the host never blocks on the transfer."""
 
 
 class Engine:
@@ -166,12 +169,24 @@ class Engine:
         self._rate: collections.deque[tuple[float, int]] = collections.deque()
 
     @classmethod
-    def load(cls, path: str | Path, *, device: str = "cpu", dtype: str = "float32", **kwargs: Any) -> Engine:
-        """Load a local Hugging Face model directory (no hub access) and build an engine."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        from transformers.utils import logging as hf_logging
+    def load(
+        cls,
+        path: str | Path,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        attn_implementation: str = "sdpa",
+        **kwargs: Any,
+    ) -> Engine:
+        """Load a local Hugging Face model directory (no hub access) and build an engine.
 
-        hf_logging.disable_progress_bar()
+        Loaded like the trainer's model (`stream_rl.modeling.load_causal_lm`): with bf16/fp16 an
+        untied lm_head stays float32, so the parameters match what the trainer pushes."""
+        from transformers import AutoTokenizer
+
+        from stream_rl.errors import ConfigError
+        from stream_rl.modeling import load_causal_lm
+
         if dtype not in DTYPES:
             raise InferenceError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -179,10 +194,10 @@ class Engine:
         if not (Path(path) / "config.json").is_file():
             raise InferenceError(f"{path} is not a model directory (no config.json)")
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model: Any = AutoModelForCausalLM.from_pretrained(
-            path, dtype=DTYPES[dtype], attn_implementation="sdpa", local_files_only=True
-        )
-        model.to(torch.device(device))
+        try:
+            model = load_causal_lm(path, dtype=dtype, attn_implementation=attn_implementation, device=device)
+        except ConfigError as exc:
+            raise InferenceError(str(exc)) from exc
         return cls(model, tokenizer, **kwargs)
 
     # -- public API (any thread) -----------------------------------------------------------------
@@ -244,17 +259,19 @@ class Engine:
         return [f.result() for f in futures]
 
     def swap_weights(
-        self, version: int, tensors: dict[str, torch.Tensor]
+        self, version: int, tensors: dict[str, torch.Tensor], ready: Any = None
     ) -> concurrent.futures.Future[SwapResult]:
         """Install `tensors` (canonical names -> tensors matching the parameters) as `version`
-        at the next step boundary. The future resolves once they are in force."""
+        at the next step boundary. The future resolves once they are in force. `ready`: a CUDA
+        event the tensors' writes were recorded before (they may be written on another stream);
+        the engine's stream waits for it before the first forward on the new weights."""
         future: concurrent.futures.Future[SwapResult] = concurrent.futures.Future()
         with self._cond:
             if self._swap is not None:
                 raise InferenceError("a weight swap is already pending")
             if self._error is not None or self._stopping:
                 raise EngineStopped("the engine is not running")
-            self._swap = _Swap(version, tensors, future, requested=time.perf_counter())
+            self._swap = _Swap(version, tensors, future, requested=time.perf_counter(), ready=ready)
             self._cond.notify_all()
         return future
 
@@ -346,6 +363,8 @@ class Engine:
         if swap is None:
             return
         start = swap.requested if self.swap_policy == "between_sequences" else time.perf_counter()
+        if swap.ready is not None:  # a GPU-side wait: the kernels queued from here on wait for it
+            torch.cuda.current_stream(self.device).wait_event(swap.ready)
         replaced = self.parameters.install(swap.tensors)
         if self.kv_policy == "recompute" and self.batch.running:
             self.batch.recompute()

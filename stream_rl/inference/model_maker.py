@@ -98,7 +98,9 @@ def build_tokenizer() -> Any:
     return tokenizer
 
 
-def _model_config(preset: Preset, arch: Arch, vocab_size: int, pad_id: int, eos_id: int) -> Any:
+def _model_config(
+    preset: Preset, arch: Arch, vocab_size: int, pad_id: int, eos_id: int, tie: bool = True
+) -> Any:
     from transformers import LlamaConfig, Qwen2Config
 
     common: dict[str, Any] = dict(
@@ -109,7 +111,7 @@ def _model_config(preset: Preset, arch: Arch, vocab_size: int, pad_id: int, eos_
         num_attention_heads=preset.num_heads,
         num_key_value_heads=preset.num_kv_heads,
         max_position_embeddings=preset.max_position_embeddings,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie,
         pad_token_id=pad_id,
         eos_token_id=eos_id,
         bos_token_id=None,
@@ -120,9 +122,18 @@ def _model_config(preset: Preset, arch: Arch, vocab_size: int, pad_id: int, eos_
 
 
 def make_model(
-    out: str | Path, preset: str = "tiny", *, seed: int = 0, arch: Arch = "qwen2", overwrite: bool = False
+    out: str | Path,
+    preset: str = "tiny",
+    *,
+    seed: int = 0,
+    arch: Arch = "qwen2",
+    overwrite: bool = False,
+    tie_embeddings: bool = True,
 ) -> Path:
     """Write a randomly initialised model and its tokenizer to `out`; returns the directory.
+
+    `tie_embeddings=False` gives the lm_head its own weight (as most models past ~1B have), the
+    case where a bf16 model keeps its lm_head in float32 (stream_rl.modeling).
 
     The same (preset, arch, seed) always gives bit-identical weights. Refuses to overwrite a
     directory that already holds a model unless `overwrite`.
@@ -141,7 +152,7 @@ def make_model(
     hf_logging.disable_progress_bar()
     tokenizer = build_tokenizer()
     config = _model_config(
-        PRESETS[preset], arch, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id
+        PRESETS[preset], arch, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, tie_embeddings
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -189,6 +200,9 @@ def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"], help="architecture")
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed")
     parser.add_argument("--overwrite", action="store_true", help="replace a model already in --out")
+    parser.add_argument(
+        "--untie-embeddings", action="store_true", help="give the lm_head its own weight (default: tied)"
+    )
     ws = parser.add_argument_group("warm start (supervised, on a task's format; see stream_rl/warm_start.py)")
     ws.add_argument(
         "--warm-start", metavar="TASK", default=None, help="fine-tune on TASK's ideal completions"
@@ -214,7 +228,14 @@ def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main_make_model(args: argparse.Namespace) -> int:
-    out = make_model(args.out, args.preset, seed=args.seed, arch=args.arch, overwrite=args.overwrite)
+    out = make_model(
+        args.out,
+        args.preset,
+        seed=args.seed,
+        arch=args.arch,
+        overwrite=args.overwrite,
+        tie_embeddings=not args.untie_embeddings,
+    )
     print(f"wrote {args.arch} preset {args.preset} ({count_parameters(out):,} parameters) to {out}")
     if args.warm_start:
         import json

@@ -26,16 +26,26 @@ from fastapi import APIRouter, Request
 from stream_rl.errors import InferenceError
 from stream_rl.inference.context import ServerContext, api_error
 from stream_rl.inference.engine import EngineStopped
-from stream_rl.inference.protocol import ChatCompletionRequest, CompletionRequest
+from stream_rl.inference.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    SpanBody,
+    TextChoice,
+    TextCompletionRequest,
+    TextCompletionResponse,
+    TextLogprobs,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 from stream_rl.inference.sequence import RequestResult, SamplingParams, SequenceResult
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-
-
-def _spans(seq: SequenceResult) -> list[dict[str, int]]:
-    return [{"version": s.version, "start": s.start} for s in seq.version_spans]
 
 
 async def _run(ctx: ServerContext, endpoint: str, prompt: list[int], params: SamplingParams) -> RequestResult:
@@ -62,14 +72,25 @@ async def _run(ctx: ServerContext, endpoint: str, prompt: list[int], params: Sam
     return result
 
 
-def _usage(result: RequestResult) -> dict[str, int]:
+def _usage(result: RequestResult) -> Usage:
     prompt = len(result.prompt_token_ids)
     completion = sum(len(s.token_ids) for s in result.sequences)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _extensions(seq: SequenceResult) -> dict[str, Any]:
+    """The fields every choice carries beside OpenAI's: token ids and version spans."""
+    spans = [SpanBody(version=s.version, start=s.start) for s in seq.version_spans]
+    return {
+        "index": seq.index,
+        "finish_reason": seq.finish_reason,
+        "token_ids": seq.token_ids,
+        "version_spans": spans,
+    }
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict[str, Any]:
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse:
     ctx: ServerContext = request.app.state.ctx
     # OpenAI's "developer" role is the system role of templates that predate it.
     messages = [
@@ -87,33 +108,25 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> dic
     # Without max_tokens a chat completion may run to the model's length (as in vLLM).
     params = body.sampling(max_tokens, max(1, ctx.engine.max_len - len(prompt)), top)
     result = await _run(ctx, "chat", prompt, params)
-    choices = []
-    for seq in result.sequences:
-        logprobs = None
-        if body.logprobs:
-            logprobs = {"content": _chat_logprobs(ctx, seq, top), "refusal": None}
-        choices.append(
-            {
-                "index": seq.index,
-                "message": {"role": "assistant", "content": seq.text},
-                "finish_reason": seq.finish_reason,
-                "logprobs": logprobs,
-                "token_ids": seq.token_ids,
-                "version_spans": _spans(seq),
-            }
+    choices = [
+        ChatChoice(
+            message=AssistantMessage(content=seq.text),
+            logprobs=ChatLogprobs(content=_chat_logprobs(ctx, seq, top)) if body.logprobs else None,
+            **_extensions(seq),
         )
-    return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": body.model or ctx.model_name,
-        "choices": choices,
-        "usage": _usage(result),
-        "prompt_token_ids": result.prompt_token_ids,
-    }
+        for seq in result.sequences
+    ]
+    return ChatCompletionResponse(
+        id=f"chatcmpl-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=body.model or ctx.model_name,
+        choices=choices,
+        usage=_usage(result),
+        prompt_token_ids=result.prompt_token_ids,
+    )
 
 
-def _chat_logprobs(ctx: ServerContext, seq: SequenceResult, top: int) -> list[dict[str, Any]]:
+def _chat_logprobs(ctx: ServerContext, seq: SequenceResult, top: int) -> list[TokenLogprob]:
     content = []
     for j, (token, logprob) in enumerate(zip(seq.token_ids, seq.logprobs, strict=True)):
         piece, raw = ctx.pieces.get(token)
@@ -121,13 +134,13 @@ def _chat_logprobs(ctx: ServerContext, seq: SequenceResult, top: int) -> list[di
         if top and seq.top_logprobs is not None:
             for alt, alt_logprob in seq.top_logprobs[j][:top]:
                 alt_piece, alt_raw = ctx.pieces.get(alt)
-                alternatives.append({"token": alt_piece, "logprob": alt_logprob, "bytes": alt_raw})
-        content.append({"token": piece, "logprob": logprob, "bytes": raw, "top_logprobs": alternatives})
+                alternatives.append(TopLogprob(token=alt_piece, logprob=alt_logprob, bytes=alt_raw))
+        content.append(TokenLogprob(token=piece, logprob=logprob, bytes=raw, top_logprobs=alternatives))
     return content
 
 
 @router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request) -> dict[str, Any]:
+async def completions(body: TextCompletionRequest, request: Request) -> TextCompletionResponse:
     ctx: ServerContext = request.app.state.ctx
     if isinstance(body.prompt, str):
         prompt = ctx.tokenizer.encode(body.prompt, add_special_tokens=False)
@@ -136,33 +149,25 @@ async def completions(body: CompletionRequest, request: Request) -> dict[str, An
     top = body.logprobs or 0
     params = body.sampling(body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, top)
     result = await _run(ctx, "completions", prompt, params)
-    choices = []
-    for seq in result.sequences:
-        logprobs = None
-        if body.logprobs is not None:
-            logprobs = _completion_logprobs(ctx, seq, top)
-        choices.append(
-            {
-                "index": seq.index,
-                "text": seq.text,
-                "finish_reason": seq.finish_reason,
-                "logprobs": logprobs,
-                "token_ids": seq.token_ids,
-                "version_spans": _spans(seq),
-            }
+    choices = [
+        TextChoice(
+            text=seq.text,
+            logprobs=_completion_logprobs(ctx, seq, top) if body.logprobs is not None else None,
+            **_extensions(seq),
         )
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": body.model or ctx.model_name,
-        "choices": choices,
-        "usage": _usage(result),
-        "prompt_token_ids": result.prompt_token_ids,
-    }
+        for seq in result.sequences
+    ]
+    return TextCompletionResponse(
+        id=f"cmpl-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=body.model or ctx.model_name,
+        choices=choices,
+        usage=_usage(result),
+        prompt_token_ids=result.prompt_token_ids,
+    )
 
 
-def _completion_logprobs(ctx: ServerContext, seq: SequenceResult, top: int) -> dict[str, Any]:
+def _completion_logprobs(ctx: ServerContext, seq: SequenceResult, top: int) -> TextLogprobs:
     tokens, offsets, tops = [], [], []
     offset = 0
     for j, token in enumerate(seq.token_ids):
@@ -172,9 +177,6 @@ def _completion_logprobs(ctx: ServerContext, seq: SequenceResult, top: int) -> d
         offset += len(piece)
         if top and seq.top_logprobs is not None:
             tops.append({ctx.pieces.get(alt)[0]: lp for alt, lp in seq.top_logprobs[j][:top]})
-    return {
-        "tokens": tokens,
-        "token_logprobs": seq.logprobs,
-        "top_logprobs": tops if top else None,
-        "text_offset": offsets,
-    }
+    return TextLogprobs(
+        tokens=tokens, token_logprobs=seq.logprobs, top_logprobs=tops if top else None, text_offset=offsets
+    )

@@ -1,9 +1,12 @@
-"""HTTP request and response bodies of the inference server (pydantic).
+"""HTTP request and response bodies of the built-in inference server (pydantic): the one typed
+contract between the server (`openai_routes.py`, `weights_routes.py`) and our client
+(`stream_rl.inference.client.BuiltinClient`), which parses responses with these same models.
 
 Requests forbid unknown fields (an unknown or mistyped field is a 400 with a JSON error naming
 it). The OpenAI-compatible bodies accept the OpenAI fields this engine honours, plus the
 extensions `top_k` and `ignore_eos`; every choice carries `token_ids` and `version_spans`, every
-response `prompt_token_ids`.
+response `prompt_token_ids`. Responses are OpenAI's shapes with those extensions, so the official
+`openai` client reads them unchanged.
 """
 
 from __future__ import annotations
@@ -12,16 +15,19 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
+from stream_rl.contracts.core import VersionSpan
 from stream_rl.inference.sequence import SamplingParams
 
 MAX_STOP = 8  # stop strings per request
 
 
-class Request(BaseModel):
+class Body(BaseModel):
+    """Base of request bodies: unknown fields are errors."""
+
     model_config = ConfigDict(extra="forbid")
 
 
-class _Sampling(Request):
+class _Sampling(Body):
     model: str | None = None
     """Accepted and echoed: a server serves one model (GET /v1/models names it)."""
     temperature: float = Field(1.0, ge=0.0, le=100.0)
@@ -63,12 +69,12 @@ class _Sampling(Request):
         )
 
 
-class TextPart(Request):
+class TextPart(Body):
     type: Literal["text"]
     text: str
 
 
-class Message(Request):
+class ChatMessageBody(Body):
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart]
     name: str | None = None
@@ -80,7 +86,7 @@ class Message(Request):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[ChatMessageBody] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -91,7 +97,7 @@ class ChatCompletionRequest(_Sampling):
 TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
 
 
-class CompletionRequest(_Sampling):
+class TextCompletionRequest(_Sampling):
     prompt: str | TokenIds
     """One prompt: text, or token ids (used as is, no special tokens added)."""
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -105,7 +111,7 @@ class CompletionRequest(_Sampling):
         return value
 
 
-class InitGroupRequest(Request):
+class InitGroupRequest(Body):
     master_addr: str = Field(min_length=1)
     master_port: int = Field(ge=1, le=65535)
     rank: int = Field(ge=1)
@@ -116,21 +122,150 @@ class InitGroupRequest(Request):
     """Extension: collective timeout (default: the server's --weights-timeout)."""
 
 
-class TensorSpec(Request):
+class TensorSpec(Body):
     name: str = Field(min_length=1)
     dtype: Literal["float32", "bfloat16", "float16"]
     shape: list[Annotated[StrictInt, Field(ge=0)]]
 
 
-class UpdateWeightsRequest(Request):
+class UpdateWeightsRequest(Body):
     version: int = Field(ge=0)
     tensors: list[TensorSpec] = Field(min_length=1)
     bucket_bytes: int = Field(ge=1)
 
 
-class VersionSpanBody(BaseModel):
-    version: int
-    start: int
+class InitIpcRequest(Body):
+    """`POST /weights/init_ipc`: the trainer, on the GPU `device_uuid`, offers CUDA IPC updates."""
+
+    device_uuid: str = Field(min_length=1)
+    torch_version: str = Field(min_length=1)
+
+
+class IpcHandle(Body):
+    """One shared bucket (`stream_rl.weights.ipc.share`): torch's CUDA IPC fields, bytes in base64."""
+
+    device: int = Field(ge=0)
+    handle: str
+    storage_size: int = Field(ge=0)
+    storage_offset: int = Field(ge=0)
+    offset: int = Field(ge=0)
+    numel: int = Field(ge=0)
+    ref_counter_handle: str
+    ref_counter_offset: int = Field(ge=0)
+    event_handle: str | None = None
+    event_sync_required: bool
+
+
+class UpdateIpcRequest(UpdateWeightsRequest):
+    """`POST /weights/update_ipc`: an update whose buckets are shared, one handle per non-empty bucket."""
+
+    buckets: list[IpcHandle]
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+class SpanBody(BaseModel):
+    """Completion tokens from `start` on (until the next span) were sampled by weights `version`."""
+
+    version: int = Field(ge=0)
+    start: int = Field(ge=0)
+
+    def span(self) -> VersionSpan:
+        return VersionSpan(self.version, self.start)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+    refusal: str | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+
+
+class _Choice(BaseModel):
+    index: int = Field(ge=0)
+    finish_reason: Literal["stop", "length"]
+    token_ids: list[int]
+    """Extension: every sampled token id, end of sequence included."""
+    version_spans: list[SpanBody]
+    """Extension: the weight version of every sampled token."""
+
+    def output_text(self) -> str:
+        raise NotImplementedError
+
+    def token_logprobs(self) -> list[float]:
+        raise NotImplementedError
+
+
+class ChatChoice(_Choice):
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+
+    def output_text(self) -> str:
+        return self.message.content or ""
+
+    def token_logprobs(self) -> list[float]:
+        if self.logprobs is None:
+            raise ValueError("the choice has no logprobs (ask with logprobs: true)")
+        return [entry.logprob for entry in self.logprobs.content]
+
+
+class TextLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int]
+
+
+class TextChoice(_Choice):
+    text: str
+    logprobs: TextLogprobs | None = None
+
+    def output_text(self) -> str:
+        return self.text
+
+    def token_logprobs(self) -> list[float]:
+        if self.logprobs is None:
+            raise ValueError("the choice has no logprobs (ask with logprobs: 0)")
+        return self.logprobs.token_logprobs
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class _Response(BaseModel):
+    id: str
+    created: int
+    model: str
+    usage: Usage
+    prompt_token_ids: list[int]
+    """Extension: the prompt as the server tokenized it (chat template applied)."""
+
+
+class ChatCompletionResponse(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class TextCompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[TextChoice]
 
 
 class UpdateWeightsResponse(BaseModel):

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import torch
 from tokenizers.decoders import DecodeStream
 
+from stream_rl.contracts.core import VersionSpan
 from stream_rl.errors import InferenceError
 
 FinishReason = Literal["stop", "length"]
@@ -59,12 +60,6 @@ class SamplingParams:
             raise InferenceError("stop strings must not be empty")
         if not 0 <= self.top_logprobs <= 20:
             raise InferenceError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
-
-
-@dataclass(frozen=True)
-class VersionSpan:
-    version: int
-    start: int
 
 
 @dataclass

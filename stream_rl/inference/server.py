@@ -5,7 +5,7 @@ Consumes HTTP requests and weight broadcasts; produces completions. Routes:
 - `GET /v1/models` (the served model and its weight version), `GET /health` (200
   `{"status": "ok", "version"}` while the decode loop is alive, else 503), `GET /metrics`
   (Prometheus, metrics.py).
-- `/weights/*` (admin token): weights_routes.py.
+- `/weights/*` (admin token): weights_routes.py (process groups), ipc_routes.py (CUDA IPC).
 Invariants: binds 127.0.0.1 unless told; every error is a JSON body with a 4xx/5xx status,
 never a crash; one engine thread decodes, the event loop only parses, queues and formats.
 
@@ -26,14 +26,15 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stream_rl.config import InferenceConfig, ModelConfig, format_validation_error
 from stream_rl.errors import ConfigError, StreamRLError
-from stream_rl.inference import openai_routes, weights_routes
+from stream_rl.inference import guards, ipc_routes, openai_routes, weights_routes
 from stream_rl.inference.context import APIError, ReceiverFactory, ServerContext, validation_message
 from stream_rl.inference.engine import SWAP_POLICIES, Engine, SwapPolicy
 from stream_rl.inference.metrics import ServerMetrics
@@ -55,8 +56,11 @@ def create_app(
     admin_token: str | None = None,
     receiver_factory: ReceiverFactory | None = None,
     weights_timeout_s: float = 60.0,
+    max_body_bytes: int | None = None,
+    model_aliases: tuple[str, ...] = (),
 ) -> FastAPI:
-    """The FastAPI app around a (started or not) engine; the app's lifespan starts and stops it."""
+    """The FastAPI app around a (started or not) engine; the app's lifespan starts and stops it.
+    `max_body_bytes` and the model names (`model_name` and `model_aliases`) are guards.py's."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -79,6 +83,10 @@ def create_app(
         weights_timeout_s=weights_timeout_s,
     )
     app.state.ctx = ctx
+    app.state.model_names = {model_name, *model_aliases}
+    limit = max_body_bytes if max_body_bytes is not None else guards.default_max_body_bytes(engine.max_len)
+    app.add_middleware(guards.BodyLimit, limit=limit)
+    app.add_exception_handler(StarletteHTTPException, guards.starlette_error)
     created = int(time.time())
 
     @app.exception_handler(RequestValidationError)
@@ -125,8 +133,9 @@ def create_app(
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    app.include_router(openai_routes.router)
+    app.include_router(openai_routes.router, dependencies=[Depends(guards.check_model)])
     app.include_router(weights_routes.router)
+    app.include_router(ipc_routes.router)
     return app
 
 
@@ -138,6 +147,7 @@ def run(
     port_file: str | None = None,
     served_model_name: str | None = None,
     swap_policy: SwapPolicy = "in_flight",
+    max_body_bytes: int | None = None,
 ) -> None:
     """Load the model, bind `inference.host:port` (0 = any free port) and serve until SIGTERM/SIGINT.
     `swap_policy`: when weight updates take effect (engine.py: in flight, or between sequences)."""
@@ -149,6 +159,7 @@ def run(
         model.path,
         device=inference.device,
         dtype=model.dtype,
+        attn_implementation=model.attn_implementation,
         max_batch=inference.max_batch,
         kv_policy=inference.kv_policy,
         swap_policy=swap_policy,
@@ -160,6 +171,8 @@ def run(
         model_name=served_model_name or Path(model.path).name,
         admin_token=token,
         weights_timeout_s=inference.weights_timeout_s,
+        max_body_bytes=max_body_bytes,
+        model_aliases=(model.path, str(Path(model.path).resolve())),
     )
     sock = socket.socket(socket.AF_INET6 if ":" in inference.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -200,6 +213,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     d = InferenceConfig()
     parser.add_argument("--model", required=True, help="local Hugging Face model directory")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--attn-implementation",
+        default="sdpa",
+        choices=["eager", "sdpa", "flash_attention_2"],
+        help="transformers attention kernels (flash_attention_2 needs flash-attn and CUDA)",
+    )
     parser.add_argument("--host", default=d.host, help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=d.base_port, help="port (0 = any free port)")
     parser.add_argument("--port-file", help="write the bound port to this file once listening")
@@ -222,6 +241,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--weights-timeout", type=float, default=60.0, help="weight-sync collective timeout (s)"
     )
     parser.add_argument("--seed", type=int, default=None, help="seed of unseeded requests' sampling")
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="answer 413 to larger request bodies (default max(1 MiB, 64 bytes x the model's max length))",
+    )
 
 
 def main_serve(args: argparse.Namespace) -> int:
@@ -237,7 +262,7 @@ def main_serve(args: argparse.Namespace) -> int:
             weights_timeout_s=args.weights_timeout,
             seed=args.seed,
         )
-        model = ModelConfig(path=args.model, dtype=args.dtype)
+        model = ModelConfig(path=args.model, dtype=args.dtype, attn_implementation=args.attn_implementation)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, "stream-rl serve")) from exc
     run(
@@ -247,5 +272,6 @@ def main_serve(args: argparse.Namespace) -> int:
         port_file=args.port_file,
         served_model_name=args.served_model_name,
         swap_policy=args.swap_policy,
+        max_body_bytes=args.max_body_bytes,
     )
     return 0

@@ -31,6 +31,7 @@ class ServerThread:
         receiver_factory: ReceiverFactory | None = None,
         model_name: str = "test-model",
         weights_timeout_s: float = 30.0,
+        max_body_bytes: int | None = None,
     ) -> None:
         self.engine = engine
         self.app = create_app(
@@ -39,6 +40,7 @@ class ServerThread:
             admin_token=admin_token,
             receiver_factory=receiver_factory,
             weights_timeout_s=weights_timeout_s,
+            max_body_bytes=max_body_bytes,
         )
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))

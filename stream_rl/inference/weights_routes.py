@@ -1,6 +1,7 @@
 """`/weights/*`: join the trainer's weight-sync group and install broadcast weights in flight.
 
 All routes require `Authorization: Bearer <admin token>` when the server has one (else 401).
+- `GET /weights/device` -> `{"device", "type", "uuid"}`: where the weights live (the GPU's uuid).
 - `GET /weights/version` -> `{"version"}`; `GET /weights/meta` -> `[{"name", "dtype", "shape"}]`,
   the model's parameters (tied ones once) in `named_parameters()` order: what an update may send.
 - `POST /weights/init_group` `{master_addr, master_port, rank, world_size, backend}`: joins the
@@ -24,14 +25,25 @@ import asyncio
 import logging
 from typing import Any
 
+import torch
 from fastapi import APIRouter, Request
 
 from stream_rl.errors import InferenceError, WeightSyncError
 from stream_rl.inference.context import ServerContext, api_error
 from stream_rl.inference.parameters import ParamSpec
 from stream_rl.inference.protocol import InitGroupRequest, UpdateWeightsRequest
+from stream_rl.weights.group import gpu_uuid
 
 logger = logging.getLogger(__name__)
+
+
+def device_info(dev: torch.device) -> dict[str, Any]:
+    if dev.type != "cuda":
+        return {"device": str(dev), "type": dev.type, "uuid": None}
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return {"device": f"cuda:{index}", "type": "cuda", "uuid": gpu_uuid(index)}
+
+
 router = APIRouter(prefix="/weights")
 
 
@@ -44,6 +56,13 @@ def _ctx(request: Request) -> ServerContext:
 @router.get("/version")
 async def version(request: Request) -> dict[str, int]:
     return {"version": _ctx(request).engine.version}
+
+
+@router.get("/device")
+async def device(request: Request) -> dict[str, Any]:
+    """Where the weights live: `{"device", "type", "uuid"}` (uuid: the GPU's, None on CPU). The
+    trainer's `weight_transport: auto` picks cuda_ipc for a server on its own GPU."""
+    return device_info(_ctx(request).engine.device)
 
 
 @router.get("/meta")
@@ -116,7 +135,10 @@ async def update(request: Request) -> dict[str, Any]:
         try:
             receive_ms = await asyncio.to_thread(receiver.receive, metas, body.bucket_bytes, into)
         except WeightSyncError as exc:
-            table.recycle(buffers)
+            if ctx.engine.device.type != "cuda":
+                # CUDA: an aborted collective may still write into these; let them go instead
+                # (the allocator holds them until the streams that used them are done).
+                table.recycle(buffers)
             ctx.receiver = None
             await asyncio.to_thread(receiver.close)
             ctx.metrics.updates.labels("failed").inc()
@@ -124,7 +146,7 @@ async def update(request: Request) -> dict[str, Any]:
                 502, f"receiving version {body.version} failed: {exc}", "weight_sync_error"
             ) from exc
         try:
-            swap = await asyncio.wrap_future(ctx.engine.swap_weights(body.version, buffers))
+            swap = await asyncio.wrap_future(ctx.engine.swap_weights(body.version, buffers, receiver.ready))
         except InferenceError as exc:  # the engine is not running
             raise api_error(503, f"version {body.version} not installed: {exc}", "server_error") from exc
         table.recycle(swap.replaced)

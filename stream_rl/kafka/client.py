@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -9,7 +10,16 @@ from typing import Any, TypeVar
 import confluent_kafka as ck
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from stream_rl.errors import KafkaError
+from stream_rl.errors import KafkaError, TransactionAborted
+from stream_rl.kafka.outage import (
+    CLIENT_LOG,
+    DEFAULT_OUTAGE_S,
+    Backoff,
+    TransientKafkaError,
+    reachable_wait_s,
+    retry,
+    transient,
+)
 from stream_rl.kafka.transport import (
     Headers,
     Message,
@@ -18,36 +28,101 @@ from stream_rl.kafka.transport import (
 )
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+DEFAULT_COMPRESSION = "zstd"
+log = logging.getLogger("stream_rl.kafka")
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+# A commit refused because the group rebalanced after these records were fetched (a replica joined
+# or left: `docker compose up --scale`). Every caller flushes its outputs before committing, so
+# dropping the commit keeps at least once: whoever owns the partitions now resumes at the last
+# committed offset, and the preprocessor drops the duplicates by rollout id.
+_REBALANCED = (
+    ck.KafkaError.ILLEGAL_GENERATION,
+    ck.KafkaError.UNKNOWN_MEMBER_ID,
+    ck.KafkaError.REBALANCE_IN_PROGRESS,
+)
 
 
 def _fail(what: str, exc: ck.KafkaException) -> KafkaError:
     return KafkaError(f"{what}: {exc.args[0] if exc.args else exc}")
 
 
-_LEADERSHIP = (
-    ck.KafkaError.NOT_LEADER_FOR_PARTITION,
-    ck.KafkaError.LEADER_NOT_AVAILABLE,
-    ck.KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
-    ck.KafkaError.COORDINATOR_NOT_AVAILABLE,
-    ck.KafkaError.NOT_COORDINATOR,
-)
-
-
-def _retry_transient(fn: Callable[[], T], what: str, timeout: float = 15.0) -> T:
-    """Retry an admin call on retriable errors (e.g. leader elections right after a restart)."""
+def check_reachable(bootstrap: str, timeout: float | None = None) -> None:
+    """Raise a one-line KafkaError unless a broker at `bootstrap` answers within `timeout`
+    (default 10 s, or $STREAM_RL_KAFKA_REACHABLE_WAIT_S)."""
+    timeout = reachable_wait_s() if timeout is None else timeout
+    admin = AdminClient(
+        {"bootstrap.servers": bootstrap, "log_level": 0, "socket.connection.setup.timeout.ms": 3000}
+    )
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return fn()
-        except ck.KafkaException as exc:
-            err = exc.args[0] if exc.args else None
-            # Leadership and coordinator errors right after topic creation or a (re)start are not
-            # flagged retriable by every admin call, but they pass once the broker settles.
-            retriable = isinstance(err, ck.KafkaError) and (err.retriable() or err.code() in _LEADERSHIP)
-            if not retriable or time.monotonic() > deadline:
-                raise _fail(what, exc) from exc
-            time.sleep(0.2)
+            if admin.list_topics(timeout=min(2.0, max(deadline - time.monotonic(), 0.1))).brokers:
+                return
+        except ck.KafkaException:
+            pass
+        if time.monotonic() >= deadline:
+            raise KafkaError(
+                f"no Kafka broker answers at {bootstrap} (waited {timeout:.0f}s): start one "
+                "(`stream-rl kafka up`) or fix kafka.bootstrap / --bootstrap / $STREAM_RL_KAFKA_BOOTSTRAP"
+            )
+        time.sleep(0.3)
+
+
+BOUNDED_GRACE_S = 15.0
+"""How long past its own timeout a librdkafka call is waited for before it is abandoned."""
+
+
+class Wedged(KafkaError):
+    """A librdkafka call did not return: the client is unusable (any further transaction call
+    conflicts with the abandoned one); the stage must exit and be restarted."""
+
+
+def _bounded(what: str, call: Callable[[float], None], timeout: float) -> None:
+    """`call(timeout)` in a helper thread, abandoned with a KafkaError if it has not returned well
+    after its timeout: right after a broker restart librdkafka's send_offsets_to_transaction was
+    seen blocking for minutes past it (the preprocessor then hung; now it fails, and is restarted)."""
+    import threading
+
+    box: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call(timeout)
+            box.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread below
+            box.append(exc)
+
+    thread = threading.Thread(target=run, name=f"kafka-{what}", daemon=True)
+    thread.start()
+    thread.join(timeout + BOUNDED_GRACE_S)
+    if not box:
+        limit = timeout + BOUNDED_GRACE_S
+        raise Wedged(f"{what}: librdkafka did not return within {limit:.0f}s (restart the stage)")
+    if box[0] is not None:
+        raise box[0]
+
+
+class _Errors:
+    """The `error_cb` of a client: fatal errors are kept (the next call raises them: a fenced
+    static member's consumer otherwise just stops delivering, and its stage hangs); the others,
+    mostly connection errors librdkafka recovers from, are logged rate-limited."""
+
+    def __init__(self, client_id: str) -> None:
+        self.client_id = client_id
+        self.fatal: str | None = None
+
+    def __call__(self, err: ck.KafkaError) -> None:
+        if err.fatal():
+            self.fatal = err.str()
+            log.error("%s: fatal Kafka client error: %s", self.client_id, err.str())
+        else:
+            CLIENT_LOG.log(logging.WARNING, "%s [%s] %s", "ERROR", self.client_id, err.str())
+
+    def check(self, what: str) -> None:
+        if self.fatal is not None:
+            raise KafkaError(f"{what}: fatal Kafka client error (restart the stage): {self.fatal}")
 
 
 def _headers(headers: Headers | None) -> list[tuple[str, bytes]] | None:
@@ -65,14 +140,20 @@ class KafkaProducer:
         client_id: str,
         transactional_id: str | None = None,
         extra: Mapping[str, Any] | None = None,
+        outage_s: float = DEFAULT_OUTAGE_S,
+        compression: str = DEFAULT_COMPRESSION,
     ) -> None:
+        self.outage_s = outage_s
+        self._fatal = _Errors(client_id)
         conf: dict[str, Any] = {
             "bootstrap.servers": bootstrap,
             "client.id": client_id,
+            "logger": CLIENT_LOG,
+            "error_cb": self._fatal,
             "enable.idempotence": True,
             "acks": "all",
             "linger.ms": 5,
-            "compression.type": "zstd",
+            "compression.type": compression,
             "message.max.bytes": MAX_MESSAGE_BYTES,
         }
         if transactional_id:
@@ -83,6 +164,7 @@ class KafkaProducer:
         conf.update(extra or {})
         self._p = ck.Producer(conf)
         self._errors: list[str] = []
+        self._wedged = False
 
     def _on_delivery(self, err: ck.KafkaError | None, msg: ck.Message) -> None:
         if err is not None:
@@ -113,11 +195,29 @@ class KafkaProducer:
             except ck.KafkaException as exc:
                 raise _fail(f"produce to {topic}", exc) from exc
         self._p.poll(0)
+        self._fatal.check(f"produce to {topic}")
 
-    def flush(self, timeout: float = 30.0) -> None:
-        remaining = self._p.flush(timeout)
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every record is acknowledged: through a broker outage, for up to
+        `timeout` (default the outage timeout). librdkafka re-sends on its own meanwhile."""
+        limit = self.outage_s if timeout is None else timeout
+        started = time.monotonic()
+        warned = False
+        while True:
+            remaining = self._p.flush(min(1.0, max(started + limit - time.monotonic(), 0.0)))
+            waited = time.monotonic() - started
+            if not remaining or waited >= limit:
+                break
+            if not warned and waited >= 5.0:
+                warned = True
+                log.warning(
+                    "flush: %d records not acknowledged after 5s; waiting up to %.0fs", remaining, limit
+                )
+        self._fatal.check("flush")
         if remaining:
-            raise KafkaError(f"{remaining} records not delivered within {timeout}s (is the broker up?)")
+            raise KafkaError(f"{remaining} records not delivered within {limit:.0f}s (is the broker up?)")
+        if warned:
+            log.warning("flush: delivered after %.1fs", time.monotonic() - started)
         if self._errors:
             errors, self._errors = self._errors, []
             raise KafkaError(f"{len(errors)} records failed delivery; first: {errors[0]}")
@@ -129,20 +229,56 @@ class KafkaProducer:
             raise _fail("init_transactions", exc) from exc
 
     def begin_transaction(self) -> None:
-        self._p.begin_transaction()
+        try:
+            self._p.begin_transaction()
+        except ck.KafkaException as exc:
+            raise _fail("begin_transaction", exc) from exc
+
+    def _transaction_step(self, what: str, call: Callable[[float], None], timeout: float) -> None:
+        """A transaction call, retried through an outage (librdkafka allows calling a timed-out
+        send_offsets/commit again); a transaction that must be aborted is aborted and reported
+        as `TransactionAborted`."""
+        backoff = Backoff(what, self.outage_s)
+        while True:
+            try:
+                _bounded(what, call, min(timeout, max(backoff.left(), 1.0)))
+                backoff.done()
+                return
+            except Wedged:
+                self._wedged = True
+                raise
+            except ck.KafkaException as exc:
+                err = exc.args[0] if exc.args else None
+                if isinstance(err, ck.KafkaError) and err.txn_requires_abort():
+                    self.abort_transaction()
+                    raise TransactionAborted(f"{what}: {err.str()} (transaction aborted)") from exc
+                retriable = isinstance(err, ck.KafkaError) and (err.retriable() or transient(err))
+                if retriable and backoff.wait(str(err)):
+                    continue
+                raise _fail(what, exc) from exc
 
     def send_offsets_to_transaction(
         self, offsets: Mapping[TopicPartition, int], group_metadata: Any, timeout: float = 30.0
     ) -> None:
         tps = [ck.TopicPartition(t, p, o) for (t, p), o in offsets.items()]
-        self._p.send_offsets_to_transaction(tps, group_metadata, timeout)
+        self._transaction_step(
+            "send_offsets_to_transaction",
+            lambda t: self._p.send_offsets_to_transaction(tps, group_metadata, t),
+            timeout,
+        )
 
     def commit_transaction(self, timeout: float = 30.0) -> None:
-        self._p.commit_transaction(timeout)
+        self._transaction_step("commit_transaction", self._p.commit_transaction, timeout)
         self._errors.clear()
 
     def abort_transaction(self, timeout: float = 30.0) -> None:
-        self._p.abort_transaction(timeout)
+        if self._wedged:
+            raise Wedged("abort_transaction: the producer is wedged (an abandoned call); restart the stage")
+
+        def call() -> None:
+            _bounded("abort_transaction", self._p.abort_transaction, timeout)
+
+        retry(call, "abort_transaction", self.outage_s, _fail)
         self._errors.clear()
 
     def close(self) -> None:
@@ -156,11 +292,20 @@ class KafkaConsumer:
     """Manual-commit, read_committed consumer with cooperative rebalancing."""
 
     def __init__(
-        self, bootstrap: str, group_id: str | None, client_id: str, extra: Mapping[str, Any] | None = None
+        self,
+        bootstrap: str,
+        group_id: str | None,
+        client_id: str,
+        extra: Mapping[str, Any] | None = None,
+        outage_s: float = DEFAULT_OUTAGE_S,
     ) -> None:
+        self.outage_s = outage_s
+        self._fatal = _Errors(client_id)
         conf: dict[str, Any] = {
             "bootstrap.servers": bootstrap,
             "client.id": client_id,
+            "logger": CLIENT_LOG,
+            "error_cb": self._fatal,
             # librdkafka needs a group id even for assign()-only use; it never commits then.
             "group.id": group_id or f"{client_id}.nogroup",
             "enable.auto.commit": False,
@@ -171,7 +316,7 @@ class KafkaConsumer:
             "max.partition.fetch.bytes": MAX_MESSAGE_BYTES,
             # The broker answers a fetch as soon as any data is there (fetch.min.bytes=1); this only
             # bounds an idle fetch, so it can be long without adding latency.
-            "fetch.wait.max.ms": 250,
+            "fetch.wait.max.ms": 500,
             "session.timeout.ms": 6000,  # the broker minimum: a dead member is noticed fast
             "heartbeat.interval.ms": 1000,
             "max.poll.interval.ms": 600000,
@@ -210,6 +355,7 @@ class KafkaConsumer:
                 msgs.extend(self._c.consume(max_records - 1, 0))
         except ck.KafkaException as exc:
             raise _fail("consume", exc) from exc
+        self._fatal.check("consume")
         out = []
         for m in msgs:
             err = m.error()
@@ -238,22 +384,28 @@ class KafkaConsumer:
         return out
 
     def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
+        """Commit synchronously; a commit the group's rebalance refused is dropped with a warning
+        (see `_REBALANCED`), any other failure raises KafkaError."""
         if not offsets:
             return
+        tps = [ck.TopicPartition(t, p, o) for (t, p), o in offsets.items()]
         try:
-            self._c.commit(
-                offsets=[ck.TopicPartition(t, p, o) for (t, p), o in offsets.items()], asynchronous=False
-            )
-        except ck.KafkaException as exc:
-            raise _fail("commit", exc) from exc
+            retry(lambda: self._c.commit(offsets=tps, asynchronous=False), "commit", self.outage_s, _fail)
+        except KafkaError as exc:
+            cause = exc.__cause__
+            err = cause.args[0] if isinstance(cause, ck.KafkaException) and cause.args else None
+            if isinstance(err, ck.KafkaError) and err.code() in _REBALANCED:
+                log.warning(
+                    "commit dropped, the group rebalanced meanwhile (%s): records may be redone", err.str()
+                )
+                return
+            raise
 
     def committed(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int]:
         if not partitions:
             return {}
-        try:
-            res = self._c.committed([ck.TopicPartition(t, p) for t, p in partitions], timeout=30)
-        except ck.KafkaException as exc:
-            raise _fail("committed", exc) from exc
+        tps = [ck.TopicPartition(t, p) for t, p in partitions]
+        res = retry(lambda: self._c.committed(tps, timeout=10), "committed", self.outage_s, _fail)
         return {(r.topic, r.partition): (r.offset if r.offset >= 0 else -1) for r in res}
 
     def position(self) -> dict[TopicPartition, int]:
@@ -268,6 +420,21 @@ class KafkaConsumer:
     def assignment(self) -> list[TopicPartition]:
         return [(p.topic, p.partition) for p in self._c.assignment()]
 
+    def pause(self, partitions: list[TopicPartition]) -> None:
+        if partitions:
+            self._c.pause([ck.TopicPartition(t, p) for t, p in partitions])
+
+    def resume(self, partitions: list[TopicPartition]) -> None:
+        if partitions:
+            self._c.resume([ck.TopicPartition(t, p) for t, p in partitions])
+
+    def end_offset(self, tp: TopicPartition) -> int:
+        try:
+            _low, high = self._c.get_watermark_offsets(ck.TopicPartition(*tp), cached=True)
+        except ck.KafkaException:
+            return -1
+        return int(high) if high is not None and high >= 0 else -1
+
     def group_metadata(self) -> Any:
         return self._c.consumer_group_metadata()
 
@@ -278,18 +445,37 @@ class KafkaConsumer:
 class KafkaTransport:
     """Factory of clients for one cluster, plus the admin calls the stages need."""
 
-    def __init__(self, bootstrap: str) -> None:
+    def __init__(
+        self, bootstrap: str, outage_s: float = DEFAULT_OUTAGE_S, compression: str = DEFAULT_COMPRESSION
+    ) -> None:
         self.bootstrap = bootstrap
+        self.outage_s = outage_s
+        self.compression = compression
+        """How long calls wait out a broker that does not answer (`kafka.outage_timeout_s`)."""
         self._admin: AdminClient | None = None
+        self._offset_readers: dict[str, ck.Consumer] = {}
 
     @property
     def admin(self) -> AdminClient:
         if self._admin is None:
-            self._admin = AdminClient({"bootstrap.servers": self.bootstrap})
+            conf: dict[str, Any] = {"bootstrap.servers": self.bootstrap, "logger": CLIENT_LOG}
+            self._admin = AdminClient(conf)
         return self._admin
 
+    def _retry(self, fn: Callable[[], T], what: str) -> T:
+        try:
+            return retry(fn, what, self.outage_s, _fail)
+        finally:
+            if self._admin is not None:
+                self._admin.poll(0)  # serves its queued log lines (they would pile up otherwise)
+
+    def check_reachable(self, timeout: float | None = None) -> None:
+        check_reachable(self.bootstrap, timeout)
+
     def producer(self, client_id: str, transactional_id: str | None = None) -> KafkaProducer:
-        return KafkaProducer(self.bootstrap, client_id, transactional_id)
+        return KafkaProducer(
+            self.bootstrap, client_id, transactional_id, outage_s=self.outage_s, compression=self.compression
+        )
 
     def consumer(self, group_id: str | None, client_id: str, instance_id: str | None = None) -> KafkaConsumer:
         extra: dict[str, Any] | None = None
@@ -298,26 +484,32 @@ class KafkaTransport:
             # for librdkafka (the stage dies). A restart under the same id takes over at once, so a
             # long session costs nothing there; a short one killed stages whose process or broker
             # was starved of CPU for 6 s (seen on a 2-core machine with pinned CPUs).
-            extra = {"group.instance.id": instance_id, "session.timeout.ms": STATIC_SESSION_TIMEOUT_MS}
-        return KafkaConsumer(self.bootstrap, group_id, client_id, extra)
+            # The session also outlasts a broker outage (`outage_s`): a static member whose session
+            # expires client-side during one rejoins and is fenced by its own new member id, a
+            # fatal error (seen: a 30 s broker restart on a loaded machine).
+            session_ms = max(STATIC_SESSION_TIMEOUT_MS, int(self.outage_s * 1000))
+            extra = {"group.instance.id": instance_id, "session.timeout.ms": session_ms}
+        return KafkaConsumer(self.bootstrap, group_id, client_id, extra, outage_s=self.outage_s)
 
     def partitions(self, topic: str, timeout: float = 10.0) -> list[int]:
-        try:
-            md = self.admin.list_topics(topic=topic, timeout=timeout)
-        except ck.KafkaException as exc:
-            raise _fail(f"describe {topic}", exc) from exc
+        return self._retry(lambda: self._partitions(topic, timeout), f"describe {topic}")
+
+    def _partitions(self, topic: str, timeout: float) -> list[int]:
+        md = self.admin.list_topics(topic=topic, timeout=timeout)
         t = md.topics.get(topic)
-        if t is None or t.error is not None:
+        if t is None or (t.error is not None and t.error.code() == ck.KafkaError.UNKNOWN_TOPIC_OR_PART):
             raise KafkaError(f"topic {topic} does not exist (run `stream-rl topics apply --run <run>`)")
+        if t.error is not None:
+            raise TransientKafkaError(t.error.str())  # e.g. no leader yet, right after a restart
         return sorted(t.partitions)
 
     def watermarks(self, topic: str) -> dict[int, tuple[int, int]]:
-        return _retry_transient(lambda: self._watermarks(topic), f"list offsets of {topic}")
+        return self._retry(lambda: self._watermarks(topic), f"list offsets of {topic}")
 
     def _watermarks(self, topic: str) -> dict[int, tuple[int, int]]:
         from confluent_kafka.admin import OffsetSpec
 
-        parts = self.partitions(topic)
+        parts = self._partitions(topic, 10.0)
         out: dict[int, tuple[int, int]] = {p: (0, 0) for p in parts}
         for idx, spec in enumerate((OffsetSpec.earliest(), OffsetSpec.latest())):
             futs = self.admin.list_offsets(
@@ -332,28 +524,39 @@ class KafkaTransport:
         return out
 
     def group_offsets(self, group_id: str, topic: str) -> dict[int, int]:
-        # list_consumer_group_offsets can crash the process (confluent-kafka 2.16.1, SIGSEGV) when
-        # it gets COORDINATOR_LOAD_IN_PROGRESS, as on a freshly started broker; describing the
-        # group first fails cleanly until the group's coordinator has loaded.
-        self.group_members(group_id)
-        return _retry_transient(lambda: self._group_offsets(group_id, topic), f"offsets of group {group_id}")
+        return self._retry(lambda: self._group_offsets(group_id, topic), f"offsets of group {group_id}")
 
     def _group_offsets(self, group_id: str, topic: str) -> dict[int, int]:
-        from confluent_kafka import ConsumerGroupTopicPartitions
+        # A consumer's OffsetFetch, not the admin API: librdkafka's coordinator-bound admin calls
+        # (list_consumer_group_offsets, describe_consumer_groups) abort the process when the
+        # connection drops mid-call (`rd_kafka_enq_once_del_source_return: Assertion` in
+        # librdkafka 2.16, confluentinc/librdkafka#4605), which a broker restart does.
+        parts = self._partitions(topic, 10.0)
+        consumer = self._offsets_consumer(group_id)
+        res = consumer.committed([ck.TopicPartition(topic, p) for p in parts], timeout=10)
+        consumer.poll(0)  # serves its queued log lines
+        return {r.partition: (r.offset if r.error is None and r.offset >= 0 else -1) for r in res}
 
-        parts = self.partitions(topic)
-        req = ConsumerGroupTopicPartitions(group_id, [ck.TopicPartition(topic, p) for p in parts])
-        futs = self.admin.list_consumer_group_offsets([req], request_timeout=15)
-        out = {p: -1 for p in parts}
-        for fut in futs.values():
-            res = fut.result()
-            for tp in res.topic_partitions:
-                if tp.error is None and tp.offset >= 0:
-                    out[tp.partition] = tp.offset
-        return out
+    def _offsets_consumer(self, group_id: str) -> ck.Consumer:
+        """A consumer of `group_id` that never subscribes: it only reads the group's offsets."""
+        consumer = self._offset_readers.get(group_id)
+        if consumer is None:
+            consumer = ck.Consumer(
+                {
+                    "bootstrap.servers": self.bootstrap,
+                    "group.id": group_id,
+                    "client.id": "stream-rl-offsets",
+                    "enable.auto.commit": False,
+                    "logger": CLIENT_LOG,
+                }
+            )
+            self._offset_readers[group_id] = consumer
+        return consumer
 
     def group_members(self, group_id: str) -> int:
-        return _retry_transient(lambda: self._group_members(group_id), f"describe group {group_id}")
+        """Live members (admin DescribeConsumerGroups). Not for long-lived processes: a broker
+        restart during the call can abort the process (see `_group_offsets`)."""
+        return self._retry(lambda: self._group_members(group_id), f"describe group {group_id}")
 
     def _group_members(self, group_id: str) -> int:
         desc = self.admin.describe_consumer_groups([group_id], request_timeout=15)[group_id].result()

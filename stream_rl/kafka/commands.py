@@ -71,6 +71,7 @@ def main_topics(args: argparse.Namespace) -> int:
         return 0
     names, bootstrap, partitions = _names(args)
     transport = KafkaTransport(bootstrap)
+    transport.check_reachable()
     if args.action == "apply":
         report = apply_topics(transport, names, args.partitions or partitions)
         n = publish_schemas(transport, names)
@@ -124,6 +125,7 @@ def main_lag(args: argparse.Namespace) -> int:
 
     names, bootstrap, _ = _names(args)
     kafka = KafkaTransport(bootstrap)
+    kafka.check_reachable()
     if args.serve_metrics is None:
         print(format_lags(run_lags(kafka, names, with_age=not args.no_age)))
         return 0

@@ -12,8 +12,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
-from stream_rl.contracts import WeightVersion
+from stream_rl.contracts import Contract, WeightVersion
 from stream_rl.errors import ContractError
 from stream_rl.kafka.serde import Serde, default_serde
 from stream_rl.kafka.topics import WEIGHT_VERSIONS, TopicNames
@@ -21,9 +22,13 @@ from stream_rl.kafka.transport import Transport
 
 log = logging.getLogger(__name__)
 
+C = TypeVar("C", bound=Contract)
+
 
 class VersionFollower:
-    """Keeps the latest `WeightVersion` of a run; `history` keeps every one seen, in order."""
+    """Keeps the latest `WeightVersion` of a run. With `keep_history`, `drain()` hands over every
+    one seen since the last call, in order (the caller keeps what it needs: a run of any length
+    costs the follower no memory)."""
 
     def __init__(
         self,
@@ -42,7 +47,7 @@ class VersionFollower:
         self._keep_history = keep_history
         self._cond = threading.Condition()
         self._latest: WeightVersion | None = None
-        self.history: list[WeightVersion] = []
+        self._pending: list[WeightVersion] = []
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"{client_id}-thread", daemon=True)
@@ -66,7 +71,7 @@ class VersionFollower:
                         if self._latest is None or wv.version >= self._latest.version:
                             self._latest = wv
                         if self._keep_history:
-                            self.history.append(wv)
+                            self._pending.append(wv)
                         self._cond.notify_all()
                     if self._on_version:
                         self._on_version(wv)
@@ -76,6 +81,12 @@ class VersionFollower:
                 self._cond.notify_all()
         finally:
             consumer.close()
+
+    def drain(self) -> list[WeightVersion]:
+        """The versions seen since the last call (with `keep_history`), oldest first."""
+        with self._cond:
+            out, self._pending = self._pending, []
+        return out
 
     def _check(self) -> None:
         if self._error is not None:
@@ -103,6 +114,69 @@ class VersionFollower:
 
     def wait_for_version(self, version: int, timeout: float | None = None) -> bool:
         return self.wait_for(lambda wv: wv is not None and wv.version >= version, timeout)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+
+class RecordFollower(Generic[C]):
+    """Follows one single-partition topic of contract records from the start (no group): `records`
+    holds every record decoded so far, in log order. Undecodable records are logged and skipped.
+    The launcher and the trackers follow `eval-results` with it."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        topic: str,
+        cls: type[C],
+        client_id: str,
+        serde: Serde | None = None,
+        on_record: Callable[[C], None] | None = None,
+    ) -> None:
+        self._transport = transport
+        self._topic = topic
+        self._cls = cls
+        self._client_id = client_id
+        self._serde = serde or default_serde()
+        self._on_record = on_record
+        self._lock = threading.Lock()
+        self._records: list[C] = []
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"{client_id}-thread", daemon=True)
+
+    def start(self) -> RecordFollower[C]:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        consumer = self._transport.consumer(None, self._client_id)
+        try:
+            consumer.assign({(self._topic, 0): 0})
+            while not self._stop.is_set():
+                for msg in consumer.poll_batch(100, 0.2):
+                    try:
+                        record = self._serde.decode(msg.value, self._cls)
+                    except ContractError as exc:
+                        log.error("skipping undecodable %s record @%d: %s", self._topic, msg.offset, exc)
+                        continue
+                    with self._lock:
+                        self._records.append(record)
+                    if self._on_record:
+                        self._on_record(record)
+        except BaseException as exc:  # noqa: BLE001 - surfaced to the owner through `records`
+            self._error = exc
+        finally:
+            consumer.close()
+
+    @property
+    def records(self) -> list[C]:
+        if self._error is not None:
+            raise self._error
+        with self._lock:
+            return list(self._records)
 
     def stop(self) -> None:
         self._stop.set()

@@ -109,7 +109,7 @@ class MemoryProducer:
                 raise KafkaError("transactional producer: produce outside a transaction")
             self.broker.append([rec])
 
-    def flush(self, timeout: float = 30.0) -> None:
+    def flush(self, timeout: float | None = None) -> None:
         return None
 
     def init_transactions(self, timeout: float = 30.0) -> None:
@@ -152,6 +152,7 @@ class MemoryConsumer:
         self._on_assign: RebalanceCallback | None = None
         self._on_revoke: RebalanceCallback | None = None
         self._closed = False
+        self._paused: set[TopicPartition] = set()
 
     # called by the broker with its lock held
     def _reassign(self, parts: list[TopicPartition]) -> None:
@@ -207,6 +208,8 @@ class MemoryConsumer:
             while True:
                 out: list[Message] = []
                 for tp, pos in self._positions.items():
+                    if tp in self._paused:
+                        continue
                     log = self.broker.topics[tp[0]][tp[1]]
                     take = log[pos : pos + max_records - len(out)]
                     out.extend(take)
@@ -234,10 +237,20 @@ class MemoryConsumer:
         return dict(self._positions)
 
     def seek(self, tp: TopicPartition, offset: int) -> None:
-        self._positions[tp] = offset
+        self._positions[tp] = max(offset, 0)  # negative: librdkafka's logical "beginning"
 
     def assignment(self) -> list[TopicPartition]:
         return list(self._positions)
+
+    def pause(self, partitions: list[TopicPartition]) -> None:
+        self._paused.update(partitions)
+
+    def resume(self, partitions: list[TopicPartition]) -> None:
+        self._paused.difference_update(partitions)
+
+    def end_offset(self, tp: TopicPartition) -> int:
+        with self.broker.cond:
+            return len(self.broker.topics[tp[0]][tp[1]])
 
     def group_metadata(self) -> Any:
         return self.group_id

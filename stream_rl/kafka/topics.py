@@ -28,6 +28,7 @@ RAW_ROLLOUTS = "raw-rollouts"
 SCORED = "scored"
 TRAINING_BATCHES = "training-batches"
 WEIGHT_VERSIONS = "weight-versions"
+EVAL_RESULTS = "eval-results"
 SCHEMAS = "_schemas"
 
 

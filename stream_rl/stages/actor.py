@@ -4,8 +4,9 @@ Consumes `problems` (consumer group `actor`). Produces `raw-rollouts`: for each 
 `actor.group_size` records (key = group_id, one per sample: token ids, behaviour logprobs,
 version spans, text); problems that cannot be sampled go to `problems.dlq` with the reason.
 
-How it works: one asyncio loop. The consumer is polled (in a worker thread) only when no
-polled problem waits for admission. A problem is admitted when `Admission.can_admit()` says
+How it works: one asyncio loop. The consumer is polled (in a worker thread); problems wait in
+`ProblemOrder` (a few per partition, full partitions paused), which hands them out in the
+loader's plan order across partitions, so epochs are epochs (`stream_rl.stages.problem_order`). A problem is admitted when `Admission.can_admit()` says
 so (`stream_rl.stages.admission`: the staleness bound and its proof, conventional mode,
 several actors); then its group_size samples are requested concurrently, each routed by
 `ServerPool` (least loaded, a cap per server, retries with backoff, dead servers probed back;
@@ -37,7 +38,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 from prometheus_client import Counter, Gauge
@@ -50,9 +51,10 @@ from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.stage import OffsetTracker, StageStats, StopFlag, dlq_headers
 from stream_rl.kafka.topics import PROBLEMS, RAW_ROLLOUTS, TopicNames
 from stream_rl.kafka.transport import Message, TopicPartition, Transport
-from stream_rl.metrics import DLQ, RECORDS_IN, RECORDS_OUT
+from stream_rl.metrics import DLQ, DUPLICATES, RECORDS_IN, RECORDS_OUT
 from stream_rl.stages.admission import Admission, Key, read_group_view
 from stream_rl.stages.entry import Instance, add_stage_arguments, open_transport, run_stage_command
+from stream_rl.stages.problem_order import ProblemOrder
 from stream_rl.stages.rollouts import ChatTokenizer, Sampler, sample_seed
 from stream_rl.stages.routing import (
     ClientFactory,
@@ -74,7 +76,8 @@ IN_FLIGHT = Gauge("stream_rl_actor_in_flight_samples", "Samples admitted and not
 SERVER_LIVE = Gauge("stream_rl_actor_server_live", "1 while a server is in routing", ["actor", "server"])
 
 POLL_BATCH = 16
-COMMIT_EVERY_S = 0.05
+SEEN_WINDOW = 20_000
+COMMIT_EVERY_S = 0.5  # each commit is a broker write: a crash redoes at most this much
 
 
 class Actor:
@@ -114,7 +117,10 @@ class Actor:
         self.client_factory = client_factory
         self.tracker = OffsetTracker()
         self.stats = StageStats()
-        self._buffer: deque[tuple[Message, Problem]] = deque()
+        self._buffer = ProblemOrder(POLL_BATCH // 2)
+        self._paused: set[TopicPartition] = set()
+        self._seen: OrderedDict[tuple[str, int], tuple[int, int]] = OrderedDict()
+        """(problem_id, epoch) -> (partition, offset) of the last SEEN_WINDOW problems taken."""
         self._tasks: dict[Key, asyncio.Task[None]] = {}
         self._done: list[Message] = []
         self._revoked: deque[list[TopicPartition]] = deque()
@@ -126,12 +132,25 @@ class Actor:
     # -- Kafka side --------------------------------------------------------------------------
     async def _refresh(self, force: bool = False) -> None:
         now = time.monotonic()
-        if not force and now - self._last_refresh < self.cfg.refresh_s:
+        if not force and (self.config.launcher.actors == 1 or now - self._last_refresh < self.cfg.refresh_s):
+            # One actor knows its own commits and dead letters: the view it read at start plus
+            # those is exact, and re-reading it cost the broker a few admin requests a second.
             return
         self._last_refresh = now
-        view = await asyncio.to_thread(
-            read_group_view, self.transport, self.topic, self.dlq_topic, self.group
-        )
+        try:
+            view = await asyncio.to_thread(
+                read_group_view,
+                self.transport,
+                self.topic,
+                self.dlq_topic,
+                self.group,
+                self.config.launcher.actors,
+            )
+        except KafkaError as exc:  # the broker is away: keep the last view (it only moves forward)
+            if force:
+                raise
+            log.warning("%s: admission view not refreshed: %s", self.actor_id, exc)
+            return
         self.admission.update_view(view)
 
     def _on_revoke(self, partitions: list[TopicPartition]) -> None:
@@ -149,7 +168,8 @@ class Actor:
     def _apply_revocations(self) -> None:
         while self._revoked:
             parts = {p for _t, p in self._revoked.popleft()}
-            self._buffer = deque(x for x in self._buffer if x[0].partition not in parts)
+            self._buffer.drop(parts)
+            self._paused -= {(self.topic, p) for p in parts}
             for key in [k for k in self._tasks if k[0] in parts]:
                 self._tasks[key].cancel()
             self._done = [m for m in self._done if m.partition not in parts]
@@ -188,7 +208,22 @@ class Actor:
                 )
                 self._done.append(msg)
                 continue
-            self._buffer.append((msg, problem))
+            where = (msg.partition, msg.offset)
+            first = self._seen.get((problem.problem_id, problem.epoch))
+            if first is not None and first != where:  # not a re-delivery of the same record
+                DUPLICATES.labels("actor").inc()
+                self.stats.extra["duplicates"] = self.stats.extra.get("duplicates", 0.0) + 1
+                self._dead_letter(
+                    msg,
+                    f"duplicate of (problem {problem.problem_id}, epoch {problem.epoch}) at "
+                    f"{msg.topic}[{first[0]}]@{first[1]}",
+                )
+                self._done.append(msg)
+                continue
+            self._seen[(problem.problem_id, problem.epoch)] = where
+            while len(self._seen) > SEEN_WINDOW:
+                self._seen.popitem(last=False)
+            self._buffer.add(msg, problem)
 
     async def _commit(self, force: bool = False) -> None:
         if not self._done or (not force and time.monotonic() - self._last_commit < COMMIT_EVERY_S):
@@ -206,10 +241,28 @@ class Actor:
         self.stats.batches += 1
 
     # -- generation --------------------------------------------------------------------------
-    def _admit(self) -> bool:
+    def _exhausted(self, partition: int) -> bool:
+        """Nothing more to read in `partition` for now (its head cannot be waited for)."""
+        tp = (self.topic, partition)
+        end = self.consumer.end_offset(tp)
+        return end >= 0 and self.consumer.position().get(tp, 0) >= end
+
+    def _flow(self) -> None:
+        """Pause the partitions whose FIFO is full, resume the others."""
+        full = {(self.topic, p) for p in self._buffer.full()}
+        if full != self._paused:
+            self.consumer.resume(sorted(self._paused - full))
+            self.consumer.pause(sorted(full - self._paused))
+            self._paused = full
+
+    def _admit(self, wait: bool = True) -> bool:
         admitted = False
+        assigned = [p for t, p in self.consumer.assignment() if t == self.topic]
         while self._buffer and self.admission.can_admit():
-            msg, problem = self._buffer.popleft()
+            item = self._buffer.pop(assigned, self._exhausted, wait)
+            if item is None:
+                break
+            msg, problem = item
             key = (msg.partition, msg.offset)
             self.admission.admit(key)
             ADMITTED.labels(self.actor_id).inc()
@@ -259,9 +312,11 @@ class Actor:
         seed = sample_seed(self.config.seed, group_id) if self.cfg.seeded_sampling else None
 
         async def call(server: Server) -> list[Rollout]:
-            return await self.sampler.sample_group(
+            rollouts = await self.sampler.sample_group(
                 server.client, server.url, problem, self.cfg.group_size, seed
             )
+            self._check_fresh(server, rollouts)
+            return rollouts
 
         return await self.pool.call(call, group_id)
 
@@ -270,11 +325,23 @@ class Actor:
         seed = sample_seed(self.config.seed, rollout_id) if self.cfg.seeded_sampling else None
 
         async def call(server: Server) -> Rollout:
-            return await self.sampler.sample_conversation(
+            rollout = await self.sampler.sample_conversation(
                 server.client, server.url, problem, index, self.cfg.group_size, seed
             )
+            self._check_fresh(server, [rollout])
+            return rollout
 
         return await self.pool.call(call, rollout_id)
+
+    def _check_fresh(self, server: Server, rollouts: list[Rollout]) -> None:
+        versions = [span.version for r in rollouts for span in r.version_spans]
+        if versions:
+            self.pool.check_fresh(server, min(versions))
+
+    def _observe_version(self) -> None:
+        latest = self.follower.latest
+        if latest is not None:
+            self.pool.observe(latest.version, latest.servers_updated, latest.servers_failed)
 
     # -- the loop ----------------------------------------------------------------------------
     def _wake_from_thread(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -309,9 +376,12 @@ class Actor:
                 return
             await self._refresh()
             self.admission.observe(self.follower.latest)
+            self._observe_version()
             progressed = False
-            # Polling also serves rebalances, so it goes on while a few problems wait for admission.
-            if len(self._buffer) < POLL_BATCH and not exhausted:
+            # Polling also serves rebalances, so it goes on while problems wait for admission; full
+            # partitions are paused, so it fetches the partitions whose head is missing.
+            self._flow()
+            if not exhausted:
                 want = (
                     POLL_BATCH
                     if max_records is None
@@ -322,7 +392,7 @@ class Actor:
                 if msgs:
                     self._accept(msgs)
                     progressed = True
-            progressed = self._admit() or progressed
+            progressed = self._admit(wait=not exhausted) or progressed
             await self._commit()
             self._publish_gauges()
             now = time.monotonic()
@@ -331,7 +401,7 @@ class Actor:
             elif idle_timeout_s is not None and now - last_input >= idle_timeout_s and not self._done:
                 self.stats.stopped_by = "idle_timeout"
                 return
-            if len(self._buffer) >= POLL_BATCH and not progressed:
+            if exhausted and self._buffer and not progressed:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=0.1)
@@ -360,6 +430,7 @@ class Actor:
             backoff_s=self.cfg.backoff_s,
             backoff_max_s=self.cfg.backoff_max_s,
             cooldown_s=self.cfg.dead_cooldown_s,
+            max_lag=0 if self.config.mode == "conventional" else self.cfg.max_lag,
         )
         self.follower = VersionFollower(
             self.transport,

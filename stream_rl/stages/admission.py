@@ -62,7 +62,10 @@ k + 2 with weights k + 1: lag 0, every sample exactly on-policy.
 
 **Several actors** share the bound through Kafka: C and D include the other actors' commits and
 dead letters (re-read every `actor.refresh_s`), and each actor counts the others' uncommitted
-problems as many as its own: `A = g·(C − D) + N·g·U`, N = live members of the actor group. Exact
+problems as many as its own: `A = g·(C − D) + N·g·U`, N = `launcher.actors`, the actor processes
+the run is configured with (not the live members: asking the broker for them is an admin call that
+a broker restart can turn into a process abort in librdkafka 2.16; a dead actor makes N an
+overestimate, which only admits less). Exact
 for one actor. With N actors A is an estimate: the others' progress is up to `refresh_s` old,
 and two actors may admit in the same instant, so the in-flight samples can exceed B by up to
 (N − 1)·g for a while, and the lag bound (or conventional mode's exactness) holds only up to
@@ -102,15 +105,16 @@ class GroupView:
     dlq: int
     """Records in `problems.dlq`."""
     members: int
-    """Live members of the actor group."""
+    """Actor processes sharing the bound (`launcher.actors`)."""
 
 
-def read_group_view(transport: Transport, topic: str, dlq_topic: str, group: str) -> GroupView:
-    """The actor group's progress as the broker has it (admin calls: run it off the event loop)."""
+def read_group_view(
+    transport: Transport, topic: str, dlq_topic: str, group: str, members: int = 1
+) -> GroupView:
+    """The actor group's progress as the broker has it (broker calls: run it off the event loop)."""
     marks = transport.watermarks(topic)
     committed = transport.group_offsets(group, topic)
     dlq = sum(high for _low, high in transport.watermarks(dlq_topic).values())
-    members = transport.group_members(group)
     return GroupView(committed, {p: low for p, (low, _high) in marks.items()}, dlq, members)
 
 

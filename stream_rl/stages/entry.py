@@ -64,7 +64,12 @@ def open_transport(config: RunConfig, transport: Transport | None) -> Transport:
     from stream_rl.kafka.broker import resolve_bootstrap
     from stream_rl.kafka.client import KafkaTransport
 
-    return KafkaTransport(resolve_bootstrap(None, config.kafka.bootstrap, config.kafka.data_dir))
+    kafka = KafkaTransport(
+        resolve_bootstrap(None, config.kafka.bootstrap, config.kafka.data_dir),
+        outage_s=config.kafka.outage_timeout_s,
+    )
+    kafka.check_reachable()  # a wrong address is one line within seconds, not librdkafka's retries
+    return kafka
 
 
 def stage_config(args: argparse.Namespace) -> RunConfig:

@@ -8,7 +8,9 @@ Invariants:
 - Stable ids: problem ids come from the task (content or position in the source), never drawn
   per call; the group of a problem's epoch is `<problem_id>.e<epoch>` downstream.
 - Order: each epoch is the problem list shuffled with `loader.seed` and the epoch number, so
-  the same seed writes the same sequence.
+  the same seed writes the same sequence. Record i of that plan goes to partition i mod P with a
+  `seq` header i, so the actor can take problems in plan order across partitions, epoch after
+  epoch (`stream_rl.stages.problem_order`).
 - Idempotent: before writing, the loader reads `problems` to its end and writes only the
   (problem_id, epoch) pairs that are missing. Re-running it (after a crash, or with more epochs)
   never duplicates a problem of the same epoch. One loader per run: two at once could both
@@ -34,6 +36,7 @@ from stream_rl.kafka.stage import StageStats, StopFlag
 from stream_rl.kafka.topics import PROBLEMS, TopicNames
 from stream_rl.kafka.transport import Transport
 from stream_rl.stages.entry import Instance, add_stage_arguments, open_transport, run_stage_command
+from stream_rl.stages.problem_order import SEQ_HEADER
 from stream_rl.tasks import get_task
 
 log = logging.getLogger(__name__)
@@ -86,10 +89,11 @@ def run(
     if config.loader.max_problems is not None:
         problems = problems[: config.loader.max_problems]
     have = existing_pairs(transport, topic, serde)
+    partitions = sorted(transport.watermarks(topic))
     stats = StageStats()
     producer = transport.producer(f"loader-{instance}")
     try:
-        for problem in plan(problems, config.loader.epochs, config.loader.seed):
+        for seq, problem in enumerate(plan(problems, config.loader.epochs, config.loader.seed)):
             if stop:
                 stats.stopped_by = stop.reason or "stopped"
                 break
@@ -98,7 +102,13 @@ def run(
             if max_records is not None and stats.records_out >= max_records:
                 stats.stopped_by = "max_records"
                 break
-            producer.produce(topic, serde.encode(problem), key=problem.problem_id)
+            producer.produce(
+                topic,
+                serde.encode(problem),
+                key=problem.problem_id,
+                headers={SEQ_HEADER: str(seq)},
+                partition=partitions[seq % len(partitions)],
+            )
             stats.records_out += 1
         producer.flush()
     finally:

@@ -60,6 +60,8 @@ STATE = "preprocessor-state"
 CONSUMES = SCORED
 PRODUCES = (TRAINING_BATCHES, STATE)
 
+BACKLOG_CHECK_S = 1.0
+"""How often the backlog is re-read while within the bound (each check is broker requests)."""
 GROUPS = Counter("stream_rl_preprocessor_groups", "Complete groups by outcome", ["outcome"])
 
 
@@ -93,6 +95,7 @@ class Preprocessor:
             "filtered_samples": 0,
             "samples_out": 0,
             "timed_out": 0,
+            "bad_groups": 0,
             "batches": 0,
             "samples": 0,
             "offsets": 0,
@@ -149,6 +152,12 @@ class Preprocessor:
         touched: dict[tuple[int, str], None] = {}
         complete: list[tuple[int, str]] = []
         for item in batch:
+            task = item.value.rollout.problem.task
+            if task != self.config.task.name:
+                out.append(
+                    Reject(item, f"rollout of task {task!r}; this run's task is {self.config.task.name!r}")
+                )
+                continue
             p = item.msg.partition
             groups = self.parts.get(p)
             if groups is None:  # assigned without the callback (in-memory transport): rebuild now
@@ -201,13 +210,31 @@ class Preprocessor:
             out.append(self._state(p, gid, groups.closed_record(gid, group.first_seen_ms, now)))
             out.extend(self._state(p, old, None) for old in evicted)
             scored = group.scored()
+            pending = sorted((ps for _s, ps in group.samples.values()), key=lambda ps: ps.offset)
             if (p, gid) in timed_out:
-                pending = sorted((ps for _s, ps in group.samples.values()), key=lambda ps: ps.offset)
-                out.extend(self._dead_letter(p, gid, pending, group.group_size))
+                error = (
+                    f"incomplete group {gid}: {len(pending)} of {group.group_size} samples after "
+                    f"{self.cfg.group_timeout_s:g}s"
+                )
+                self.counts["timed_out"] += 1
+                GROUPS.labels("timed_out").inc()
+                out.extend(self._dead_letter(p, gid, pending, error))
                 filtered += group.group_size
                 filtered_keys.append(gid)
                 continue
-            advantages = group_advantages(scored, self.cfg)
+            try:
+                advantages = group_advantages(scored, self.cfg)
+                if not all(math.isfinite(a) for a in advantages):
+                    raise ValueError(f"non-finite advantages {advantages}")
+            except (ValueError, OverflowError) as exc:
+                # Bad numbers must not abort the transaction (and so the stage): the group's
+                # samples go to the DLQ, and count as consumed for the admission's accounting.
+                self.counts["bad_groups"] += 1
+                GROUPS.labels("bad").inc()
+                out.extend(self._dead_letter(p, gid, pending, f"group {gid}: advantages: {exc}"))
+                filtered += group.group_size
+                filtered_keys.append(gid)
+                continue
             if self.cfg.filter_zero_advantage and all(a == 0.0 for a in advantages):
                 filtered += len(scored)
                 filtered_keys.append(gid)
@@ -239,11 +266,8 @@ class Preprocessor:
             self.counts["offsets"] += 1  # the transaction's commit marker in training-batches
         return out
 
-    def _dead_letter(self, p: int, gid: str, pending: list[PendingSample], group_size: int) -> list[Output]:
-        error = f"incomplete group {gid}: {len(pending)} of {group_size} samples after {self.cfg.group_timeout_s:g}s"
+    def _dead_letter(self, p: int, gid: str, pending: list[PendingSample], error: str) -> list[Output]:
         log.warning("%s: %s: to the DLQ", self.producer_id, error)
-        self.counts["timed_out"] += 1
-        GROUPS.labels("timed_out").inc()
         out = []
         for ps in pending:
             msg = Message(self.scored_topic, p, ps.offset, gid.encode(), ps.record)
@@ -285,7 +309,7 @@ class Preprocessor:
 
     def hold(self) -> None:
         """`before_poll`: wait while the trainer is more than `max_untrained_batches` behind."""
-        if time.monotonic() - self._backlog_checked < 0.5:
+        if time.monotonic() - self._backlog_checked < BACKLOG_CHECK_S:
             return  # checked a moment ago, and it was within the bound
         while not self.stop:
             backlog = self.untrained()
@@ -320,6 +344,7 @@ def stage_loop(pre: Preprocessor, before_poll: Callable[[], None] | None) -> Sta
         # Stable per instance: a restarted instance fences its killed predecessor at once.
         transactional_id=f"{config.kafka.prefix}.{config.run}.preprocessor.{pre.instance}",
         batch_size=config.preprocessor.batch_size,
+        linger_s=config.preprocessor.linger_s,
         on_assign=pre.on_assign,
         on_revoke=pre.on_revoke,
         on_idle=pre.on_idle,

@@ -16,30 +16,15 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from stream_rl.config import SamplingConfig
-from stream_rl.contracts import ChatMessage, Problem, Rollout, VersionSpan, now_ms
+from stream_rl.contracts import ChatMessage, Problem, Rollout, now_ms
 from stream_rl.errors import InferenceError, TaskError
-from stream_rl.tasks.base import Completion, MultiTurnResult, Task
+from stream_rl.inference.completion import Completion
+from stream_rl.tasks.base import Task
 
 _TURN_STRIDE = 7919
-
-
-class SpanLike(Protocol):
-    version: int
-    start: int
-
-
-class CompletionLike(Protocol):
-    """What the inference client returns (its `Completion`)."""
-
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    version_spans: Any
-    text: str
-    finish_reason: str
 
 
 def sample_seed(run_seed: int, rollout_id: str) -> int:
@@ -47,29 +32,22 @@ def sample_seed(run_seed: int, rollout_id: str) -> int:
     return zlib.crc32(f"{run_seed}:{rollout_id}".encode()) & 0x7FFFFFFF
 
 
-def spans_of(spans: Any) -> list[VersionSpan]:
-    """Version spans from the client's objects or dicts."""
-    out = []
-    for s in spans:
-        if isinstance(s, Mapping):
-            out.append(VersionSpan(int(s["version"]), int(s["start"])))
-        else:
-            out.append(VersionSpan(int(s.version), int(s.start)))
-    return out
-
-
-def rollout_from_completion(
+def build_rollout(
     problem: Problem,
     sample_index: int,
     group_size: int,
-    completion: CompletionLike,
+    completion: Completion,
     *,
     actor_id: str,
     server_id: str,
     started_ms: int,
     finished_ms: int,
     generation_ms: float,
+    completion_mask: list[bool] | None = None,
+    num_turns: int = 1,
 ) -> Rollout:
+    """The `Rollout` of one sample: a single-turn completion (`completion_mask` None: every token
+    sampled), or a multi-turn sequence (`MultiTurnResult.completion()` with its mask and turns)."""
     group_id = Rollout.make_group_id(problem)
     return Rollout(
         rollout_id=Rollout.make_rollout_id(group_id, sample_index),
@@ -79,45 +57,12 @@ def rollout_from_completion(
         problem=problem,
         prompt_token_ids=list(completion.prompt_token_ids),
         completion_token_ids=list(completion.token_ids),
-        logprobs=[float(x) for x in completion.logprobs],
-        version_spans=spans_of(completion.version_spans),
+        completion_mask=completion_mask,
+        logprobs=list(completion.logprobs),
+        version_spans=list(completion.version_spans),
         finish_reason=completion.finish_reason,
         text=completion.text,
-        actor_id=actor_id,
-        server_id=server_id,
-        started_ms=started_ms,
-        finished_ms=finished_ms,
-        generation_ms=generation_ms,
-    )
-
-
-def rollout_from_turns(
-    problem: Problem,
-    sample_index: int,
-    group_size: int,
-    result: MultiTurnResult,
-    *,
-    actor_id: str,
-    server_id: str,
-    started_ms: int,
-    finished_ms: int,
-    generation_ms: float,
-) -> Rollout:
-    group_id = Rollout.make_group_id(problem)
-    return Rollout(
-        rollout_id=Rollout.make_rollout_id(group_id, sample_index),
-        group_id=group_id,
-        sample_index=sample_index,
-        group_size=group_size,
-        problem=problem,
-        prompt_token_ids=list(result.prompt_token_ids),
-        completion_token_ids=list(result.completion_token_ids),
-        completion_mask=list(result.completion_mask),
-        logprobs=list(result.logprobs),
-        version_spans=list(result.version_spans),
-        finish_reason=result.finish_reason,
-        text=result.text,
-        num_turns=result.num_turns,
+        num_turns=num_turns,
         actor_id=actor_id,
         server_id=server_id,
         started_ms=started_ms,
@@ -146,16 +91,18 @@ class Sampler:
         started, t0 = now_ms(), time.perf_counter()
         turns = TurnClient(client, self.tokenizer, seed)
         result = await self.task.generate_rollout(turns, problem, self.sampling)
-        rollout = rollout_from_turns(
+        rollout = build_rollout(
             problem,
             index,
             group_size,
-            result,
+            result.completion(),
             actor_id=self.actor_id,
             server_id=server_id,
             started_ms=started,
             finished_ms=now_ms(),
             generation_ms=(time.perf_counter() - t0) * 1000,
+            completion_mask=list(result.completion_mask),
+            num_turns=result.num_turns,
         )
         rollout.validate()
         return rollout
@@ -173,7 +120,7 @@ class Sampler:
         finished, generation_ms = now_ms(), (time.perf_counter() - t0) * 1000
         rollouts = []
         for index, completion in enumerate(completions):
-            rollout = rollout_from_completion(
+            rollout = build_rollout(
                 problem,
                 index,
                 group_size,
@@ -227,15 +174,8 @@ class TurnClient:
     async def complete(self, prompt_token_ids: list[int], sampling: SamplingConfig) -> Completion:
         seed = None if self._seed is None else (self._seed + _TURN_STRIDE * self._turn) & 0x7FFFFFFF
         self._turn += 1
-        c = await self._client.complete(prompt_token_ids, sampling, seed=seed)
-        return Completion(
-            prompt_token_ids=list(c.prompt_token_ids),
-            token_ids=list(c.token_ids),
-            logprobs=[float(x) for x in c.logprobs],
-            version_spans=spans_of(c.version_spans),
-            text=c.text,
-            finish_reason=c.finish_reason,
-        )
+        completion: Completion = await self._client.complete(prompt_token_ids, sampling, seed=seed)
+        return completion
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         return self._tokenizer.render(messages, add_generation_prompt=add_generation_prompt)

@@ -16,6 +16,19 @@ Contract of `ServerPool.call(fn)`:
   since its previous failure), or that raises another `StreamRLError` (a task error, an invalid
   completion), earns a strike; more than `max_retries` strikes raise `RequestRejected`, and the
   actor sends the problem to the DLQ: the servers work, this request does not.
+- A request the server refuses as invalid (`BadRequestError`: HTTP 400/413/422, e.g. a prompt
+  longer than the model's context) raises `RequestRejected` at once with the server's message:
+  the request's fault, so the server's record is untouched and it stays in routing.
+
+Weight versions (`observe(version, servers_updated)`, fed from `weight-versions`): a server is
+routed to only while it holds the newest published version. A server the newest version does not
+list as updated, or one back from the dead (a restart serves the weights it loaded, version 0's),
+is *stale*: set aside, its `version()` probed until it holds the newest version (or a newer
+version lists it). `check_fresh(server, spans)` catches the rest: a response with a token sampled
+by a version older than `newest - (max_lag + 1)` marks its server stale and raises
+`StaleServerError`, and the call is retried on another server (no strike: the request is fine,
+and nothing of that response is kept). Staleness is bounded by admission; this only keeps a
+server with the wrong weights from feeding the optimizer samples far beyond that bound.
 """
 
 from __future__ import annotations
@@ -24,52 +37,51 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from stream_rl.config import RunConfig
-from stream_rl.errors import ConfigError, InferenceError, StreamRLError
+from stream_rl.errors import BadRequestError, ConfigError, InferenceError, StreamRLError
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-class ServerClient(Protocol):
-    """What the pool needs of a client: `health()` raising InferenceError when the server is down."""
-
-    async def health(self) -> Any: ...
-
-    async def aclose(self) -> None: ...
-
-
 ClientFactory = Callable[[str], Any]
-"""url -> client of that server (`complete`, `health`, `aclose`)."""
+"""url -> client of that server (`complete_many`, `complete`, `health`, `version`, `aclose`)."""
 
 
 def server_urls(config: RunConfig) -> list[str]:
-    """The inference servers of a run: `inference.servers`, else the ones the launcher starts."""
-    inf = config.inference
-    if inf.servers:
-        return [s.url for s in inf.servers]
-    if inf.num_servers <= 0:
+    """The inference servers of a run (`inference.server_list()`); at least one."""
+    urls = config.inference.server_urls()
+    if not urls:
         raise ConfigError("inference: no servers (set inference.servers or inference.num_servers)")
-    return [f"http://{inf.host}:{inf.base_port + i}" for i in range(inf.num_servers)]
+    return urls
 
 
 def inference_client_factory(config: RunConfig) -> ClientFactory:
-    """The real HTTP client of `stream_rl.inference.client`, one per server."""
-    from stream_rl.inference.client import InferenceClient
+    """The HTTP client of each server's engine (`stream_rl.inference.client.make_client`)."""
+    from stream_rl.inference.client import make_client
+
+    engines = {s.url: str(s.engine) for s in config.inference.server_list()}
 
     def make(url: str) -> Any:
-        return InferenceClient(url, timeout_s=config.actor.request_timeout_s)
+        return make_client(
+            engines.get(url, config.inference.engine), url, timeout_s=config.actor.request_timeout_s
+        )
 
     return make
 
 
 class RequestRejected(InferenceError):
-    """A request failed `max_retries + 1` times while the servers were otherwise healthy."""
+    """A request failed `max_retries + 1` times while the servers were otherwise healthy, or a
+    server refused it as invalid."""
+
+
+class StaleServerError(InferenceError):
+    """A server answered with tokens of weights older than the run's staleness floor."""
 
 
 @dataclass(eq=False)
@@ -84,6 +96,14 @@ class Server:
     last_used: float = 0.0
     ok: int = 0
     failed: int = 0
+    version: int | None = None
+    """The newest weight version the server is known to hold."""
+    stale: bool = False
+    """Set aside until it holds the newest published version (module docstring)."""
+
+
+def _state(server: Server) -> str:
+    return "down" if server.dead else "stale" if server.stale else "busy"
 
 
 class ServerPool:
@@ -101,7 +121,10 @@ class ServerPool:
         cooldown_max_s: float = 60.0,
         health_timeout_s: float = 5.0,
         log_every_s: float = 10.0,
+        max_lag: int | None = None,
+        version_probe_s: float = 1.0,
     ) -> None:
+        """`max_lag`: the run's staleness bound, for `check_fresh` (None: no floor)."""
         if not clients:
             raise InferenceError(
                 "no inference servers: set inference.servers (urls) or inference.num_servers"
@@ -115,6 +138,12 @@ class ServerPool:
         self.cooldown_max_s = cooldown_max_s
         self.health_timeout_s = health_timeout_s
         self.log_every_s = log_every_s
+        self.max_lag = max_lag
+        self.version_probe_s = version_probe_s
+        self.latest: int | None = None
+        """The newest published weight version (`observe`)."""
+        self.stale_responses = 0
+        """Responses thrown away by `check_fresh`."""
         self.successes = 0
         """Successful calls and probes: evidence the servers work."""
         self._changed = asyncio.Condition()
@@ -123,7 +152,8 @@ class ServerPool:
 
     # -- state -----------------------------------------------------------------------------------
     def live(self) -> list[Server]:
-        return [s for s in self.servers if not s.dead]
+        """Servers in routing: neither dead nor stale."""
+        return [s for s in self.servers if not s.dead and not s.stale]
 
     def in_flight(self) -> int:
         return sum(s.in_flight for s in self.servers)
@@ -133,7 +163,7 @@ class ServerPool:
             self._changed.notify_all()
 
     def _pick(self) -> Server | None:
-        ready = [s for s in self.servers if not s.dead and s.in_flight < self.cap]
+        ready = [s for s in self.servers if not s.dead and not s.stale and s.in_flight < self.cap]
         if not ready:
             return None
         return min(ready, key=lambda s: (s.in_flight, s.last_used))
@@ -152,10 +182,10 @@ class ServerPool:
                     if now - self._last_all_dead_log >= self.log_every_s:
                         self._last_all_dead_log = now
                         log.warning(
-                            "all %d inference servers are down (%s); waiting for one to answer /health, "
-                            "problems are kept",
-                            len(self.servers),
-                            ", ".join(s.url for s in self.servers),
+                            "no inference server in routing (%s); waiting for one to answer /health "
+                            "and hold version %s, problems are kept",
+                            ", ".join(f"{s.url}: {_state(s)}" for s in self.servers),
+                            self.latest,
                         )
                 # Woken by a release, a revival or a new death; the timeout re-logs.
                 with contextlib.suppress(TimeoutError):
@@ -210,9 +240,79 @@ class ServerPool:
             server.dead = False
             server.failures = 0
             self.successes += 1
-            log.info("inference server %s is healthy again: back in routing", server.url)
+            if self.latest is not None:
+                # A server that went down may have restarted with the weights it loads at start.
+                self._mark_stale(server, "back up; its weight version is checked first")
+            else:
+                log.info("inference server %s is healthy again: back in routing", server.url)
             await self._notify()
             return
+
+    # -- weight versions ---------------------------------------------------------------------------
+    def observe(
+        self, version: int, servers_updated: Sequence[str], servers_failed: Sequence[str] = ()
+    ) -> None:
+        """A newly published weight version and the servers the trainer installed it on (a
+        trainer that pushes to no server, e.g. in replays, lists none: then nothing is gated)."""
+        if self.latest is not None and version <= self.latest:
+            return
+        self.latest = version
+        updated = set(servers_updated)
+        if not updated and not servers_failed:
+            return
+        for server in self.servers:
+            if server.url in updated:
+                server.version = max(server.version or 0, version)
+                if server.stale and not server.dead:
+                    server.stale = False
+                    log.info("inference server %s holds version %d: back in routing", server.url, version)
+            elif not server.dead and not server.stale and (server.version or -1) < version:
+                self._mark_stale(server, f"version {version} was not installed on it")
+
+    def check_fresh(self, server: Server, oldest_version: int) -> None:
+        """Raise `StaleServerError` (and set the server aside) if a response's oldest token
+        version is below the run's floor, `newest published - (max_lag + 1)`."""
+        if self.max_lag is None or self.latest is None:
+            return
+        floor = self.latest - (self.max_lag + 1)
+        if oldest_version >= floor:
+            server.version = max(server.version or 0, oldest_version)
+            return
+        self.stale_responses += 1
+        self._mark_stale(
+            server, f"it answered with tokens of version {oldest_version}, below the floor {floor}"
+        )
+        raise StaleServerError(
+            f"{server.url} sampled with version {oldest_version}, older than newest {self.latest} - "
+            f"(max_lag {self.max_lag} + 1): the answer is dropped and the request retried elsewhere"
+        )
+
+    def _mark_stale(self, server: Server, why: str) -> None:
+        if server.stale:
+            return
+        server.stale = True
+        log.warning(
+            "inference server %s set aside: %s; waiting until it holds version %s",
+            server.url,
+            why,
+            self.latest,
+        )
+        task = asyncio.create_task(self._probe_until_current(server))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _probe_until_current(self, server: Server) -> None:
+        while server.stale and not server.dead:
+            await asyncio.sleep(self.version_probe_s)
+            try:
+                held = await asyncio.wait_for(server.client.version(), timeout=self.health_timeout_s)
+            except (InferenceError, TimeoutError):
+                continue
+            if held is not None and self.latest is not None and held >= self.latest and server.stale:
+                server.stale = False
+                server.version = held
+                log.info("inference server %s holds version %d: back in routing", server.url, held)
+                await self._notify()
 
     # -- calls -----------------------------------------------------------------------------------
     def backoff(self, attempt: int) -> float:
@@ -228,6 +328,13 @@ class ServerPool:
             server = await self.acquire()
             try:
                 result = await fn(server)
+            except BadRequestError as exc:
+                await self.release(server, None)  # it answered: the request is at fault
+                raise RequestRejected(f"{what}: refused by {server.url}: {exc}") from exc
+            except StaleServerError as exc:
+                await self.release(server, None, counted=False)
+                log.info("%s: %s", what, exc)
+                continue
             except InferenceError as exc:
                 await self.release(server, exc)
                 if self.successes > evidence:

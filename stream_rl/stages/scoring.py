@@ -39,12 +39,16 @@ Job = tuple[Problem, str, str]
 
 def _worker_main(conn: multiprocessing.connection.Connection, task: Task) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _serve(conn, task)
+    except (EOFError, ConnectionError, BrokenPipeError):
+        return  # the verifier is gone (killed): nothing to answer, nothing to report
+
+
+def _serve(conn: multiprocessing.connection.Connection, task: Task) -> None:
     conn.send(("ready", None))  # the task is unpickled (its modules imported): deadlines may start
     while True:
-        try:
-            job = conn.recv()
-        except EOFError:
-            return
+        job = conn.recv()
         if job is None:
             return
         problem, text, finish_reason = job

@@ -37,13 +37,15 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 
 from stream_rl.config import RunConfig, load_config
-from stream_rl.contracts import PartitionOffset, TrainingBatch, WeightVersion, WeightVersionKind
-from stream_rl.errors import ConfigError, ContractError, WeightSyncError
+from stream_rl.contracts import EvalResult, PartitionOffset, TrainingBatch, WeightVersion, WeightVersionKind
+from stream_rl.errors import ConfigError, ContractError, KafkaError
+from stream_rl.kafka.follower import RecordFollower
 from stream_rl.kafka.serde import Serde, default_serde
 from stream_rl.kafka.stage import StopFlag, dlq_headers
-from stream_rl.kafka.topics import TRAINING_BATCHES, WEIGHT_VERSIONS, TopicNames
+from stream_rl.kafka.topics import EVAL_RESULTS, TRAINING_BATCHES, WEIGHT_VERSIONS, TopicNames
 from stream_rl.kafka.transport import Consumer, Message, Producer, Transport
 from stream_rl.metrics import DLQ, RECORDS_IN, UP, serve_metrics
 from stream_rl.train import metrics as tm
@@ -57,8 +59,9 @@ from stream_rl.train.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
+from stream_rl.train.dedupe import TrainedIds
 from stream_rl.train.lineage import by_version, read_weight_versions
-from stream_rl.train.push import PushOutcome, WeightPusher, connect_servers, make_sender, server_urls
+from stream_rl.train.push import PushOutcome, WeightPusher, connect_servers, make_sender, rejoin_dropped
 from stream_rl.train.record import write_run_record
 from stream_rl.train.step import TrainerBackend, build_trainer
 
@@ -67,7 +70,9 @@ log = logging.getLogger(__name__)
 STAGE = "trainer"
 CONSUMES = TRAINING_BATCHES
 PRODUCES = (WEIGHT_VERSIONS,)
-RECONNECT_EVERY_S = 30.0
+RECONNECT_EVERY_S = 2.0
+"""Dropped servers that answer /health are asked to re-join at most this often (before a push, so
+a restarted server gets the next version at once and is routed to again)."""
 
 
 @dataclass
@@ -81,6 +86,10 @@ class TrainerStats:
     verified: int = 0
     """Re-trained versions found in the lineage with the same checksum (not published again)."""
     mismatches: int = 0
+    duplicates: int = 0
+    """Samples dropped because their id was trained before (`stream_rl.train.dedupe`)."""
+    skipped_steps: int = 0
+    """Steps whose gradient was not finite (not applied)."""
     checksum: str = ""
     stopped_by: str = ""
 
@@ -113,6 +122,12 @@ class TrainerStage:
         self._last_connect = 0.0
         self._checkpointed_step = -1
         self._last_step_end = time.monotonic()
+        self._published_here: set[int] = set()
+        self._evals: RecordFollower[EvalResult] | None = None
+        if config.eval.every and config.eval.pin:
+            self._evals = RecordFollower(
+                transport, self.names.topic(EVAL_RESULTS), EvalResult, f"{STAGE}-evals", self.serde
+            )
         self.trainer: TrainerBackend  # set by _load()
         self.producer: Producer  # set by run()
 
@@ -121,6 +136,7 @@ class TrainerStage:
     def _load(self) -> None:
         ckpt = latest_checkpoint(self.ckpt_dir)
         self.trainer = build_trainer(self.config, ckpt / "model" if ckpt else None)
+        self.trained = TrainedIds.load(ckpt, self.tcfg.dedupe_window)
         if ckpt is None:
             self.state = TrainerState(checksum=self.trainer.checksum())
             write_run_record(self.config, self.state.checksum)
@@ -139,15 +155,9 @@ class TrainerStage:
         """The weights' checksum, and the push of `version` to the servers (gathered once)."""
         from stream_rl.weights.checksum import weights_checksum
 
-        if self.pusher is not None:
-            expected = len(server_urls(self.config))
-            now = time.monotonic()
-            if len(self.pusher.live_servers) < expected and now - self._last_connect >= RECONNECT_EVERY_S:
-                self._last_connect = now
-                try:
-                    self.pusher.connect()
-                except WeightSyncError as exc:
-                    log.warning("re-joining dropped servers failed: %s", exc)
+        if self.pusher is not None and time.monotonic() - self._last_connect >= RECONNECT_EVERY_S:
+            self._last_connect = time.monotonic()
+            rejoin_dropped(self.pusher, self.config.inference.server_urls())
         with self.trainer.full_weights() as named:
             checksum = weights_checksum(named)
             report = None if self.pusher is None else self.pusher.push(version, named, self.bucket_bytes)
@@ -180,7 +190,7 @@ class TrainerStage:
             checkpoint_uri=checkpoint_uri,
             metrics=metrics,
         )
-        known = self.history.get(st.version)
+        known = self.history.pop(st.version, None)
         if known is not None:
             if known.checksum == wv.checksum:
                 self.stats.verified += 1
@@ -197,20 +207,52 @@ class TrainerStage:
             wv.metrics["checksum_mismatch"] = 1.0
         self.producer.produce(self.out_topic, self.serde.encode(wv), key=self.config.run)
         self.producer.flush()
-        self.history.setdefault(st.version, wv)
+        self._published_here = {st.version}  # only the last one matters to the eval hold
         self.stats.published += 1
 
     def _checkpoint(self, consumer: Consumer | None) -> str:
-        path = save_checkpoint(
-            self.ckpt_dir, self.trainer.save_to, self.state, keep=self.tcfg.keep_checkpoints
-        )
+        def write(directory: Path) -> None:
+            self.trainer.save_to(directory)
+            self.trained.save(directory)
+
+        path = save_checkpoint(self.ckpt_dir, write, self.state, keep=self.tcfg.keep_checkpoints)
         self._checkpointed_step = self.state.step
         tm.CHECKPOINTS.inc()
         if consumer is not None and self.state.offsets:
-            consumer.commit(dict(self.state.offsets))  # only now: the checkpoint is durable
+            self._commit(consumer)  # only now: the checkpoint is durable
         return path.resolve().as_uri()
 
+    def _commit(self, consumer: Consumer) -> None:
+        """Commit the checkpoint's offsets to the group. They are informational (lag, status): the
+        trainer resumes from its checkpoint's own offsets, so a failure is logged, not fatal."""
+        try:
+            consumer.commit(dict(self.state.offsets))
+        except KafkaError as exc:
+            log.warning("committing the trainer's offsets failed (the checkpoint has them): %s", exc)
+
     # -- one step ----------------------------------------------------------------------------
+
+    def _hold_for_eval(self, version: int) -> None:
+        """`eval.pin`: before pushing `version`, wait until the evaluation of the version before it
+        is published when that one is due and was published by this process (so the evaluator
+        samples exactly it; `stream_rl/stages/evaluator.py`), at most `eval.timeout_s`."""
+        from stream_rl.stages.evaluation import is_due
+
+        previous = version - 1
+        ecfg = self.config.eval
+        if self._evals is None or previous not in self._published_here:
+            return
+        if not is_due(previous, ecfg.every, final=False):
+            return
+        started = time.monotonic()
+        while not any(ev.version == previous for ev in self._evals.records):
+            if self.stop or time.monotonic() - started > ecfg.timeout_s:
+                log.warning(
+                    "no evaluation of version %d within %.0fs: pushing %d", previous, ecfg.timeout_s, version
+                )
+                return
+            time.sleep(0.05)
+        tm.EVAL_HOLD_SECONDS.inc(time.monotonic() - started)
 
     def _finish_step(self, runner: StepRunner, consumer: Consumer) -> None:
         summary = runner.finish()
@@ -221,6 +263,16 @@ class TrainerStage:
         st.tokens_trained += acc.tokens
         st.samples_filtered += acc.samples_filtered
         st.offsets.update(acc.offsets)
+        self.stats.duplicates += acc.duplicates
+        if summary.outcome.skipped:
+            self.stats.skipped_steps += 1
+            tm.SKIPPED_STEPS.inc()
+            log.error(
+                "version %d: the gradient is not finite (grad_norm %s): step skipped, weights unchanged",
+                st.version,
+                summary.outcome.grad_norm,
+            )
+        self._hold_for_eval(st.version)
         st.checksum, report = self._sync(st.version)
         final = st.version >= tcfg.max_steps
         uri = None
@@ -240,7 +292,7 @@ class TrainerStage:
         self._last_step_end = now
         self._publish(WeightVersionKind.FINAL if final else WeightVersionKind.UPDATE, report, metrics, uri)
         if uri is not None and st.offsets:
-            consumer.commit(dict(st.offsets))
+            self._commit(consumer)
         tm.observe_step(st.version, metrics, acc.lags)
         self.stats.steps += 1
         log.info(
@@ -248,7 +300,7 @@ class TrainerStage:
             st.version,
             acc.samples_trained,
             metrics.get("loss", 0.0),
-            metrics["grad_norm"],
+            metrics.get("grad_norm", float("nan")),
             metrics.get("version_lag_mean", 0.0),
             metrics["tokens_per_s"],
         )
@@ -281,7 +333,12 @@ class TrainerStage:
         UP.labels(STAGE).set(1)
         try:
             self._load()
-            self.history = by_version(read_weight_versions(self.transport, self.names, self.serde))
+            if self._evals is not None:
+                self._evals.start()
+            # Only the versions this process may re-train (those after its checkpoint) are kept: the
+            # lineage of a long run would otherwise stay in memory (and grow with every version).
+            lineage = by_version(read_weight_versions(self.transport, self.names, self.serde))
+            self.history = {v: wv for v, wv in lineage.items() if v >= self.state.version}
             self.producer = producer = self.transport.producer(f"{STAGE}-{self.config.run}")
             consumer = self.transport.consumer(self.names.group(STAGE), STAGE)
             if self.pusher is not None:
@@ -308,12 +365,15 @@ class TrainerStage:
                 for closer in (trainer, consumer, producer, self.pusher):
                     if closer is not None:
                         closer.close()  # DeepSpeed: releases the other ranks
+                if self._evals is not None:
+                    self._evals.stop()
         self.stats.version = self.state.version
         self.stats.checksum = self.state.checksum
         return self.stats
 
     def _loop(self, consumer: Consumer, target: int, idle_timeout_s: float | None) -> None:
-        runner = StepRunner(self.trainer, self.tcfg.pack_row_tokens)
+        bound = 0 if self.config.mode == "conventional" else self.config.actor.max_lag
+        runner = StepRunner(self.trainer, self.tcfg.pack_row_tokens, self.trained, lag_bound=bound)
         buffer: deque[Message] = deque()
         last_input = time.monotonic()
         while True:
@@ -392,7 +452,12 @@ def main(args: argparse.Namespace) -> int:
         if deepspeed_backend.is_follower():
             deepspeed_backend.follow(config)
             return 0
-    transport = KafkaTransport(resolve_bootstrap(args.bootstrap, config.kafka.bootstrap))
+    transport = KafkaTransport(
+        resolve_bootstrap(args.bootstrap, config.kafka.bootstrap),
+        outage_s=config.kafka.outage_timeout_s,
+        compression=config.kafka.compression,
+    )
+    transport.check_reachable()
     port = args.metrics_port if args.metrics_port is not None else config.trainer.metrics_port
     if port is not None:
         log.info("metrics on http://127.0.0.1:%d/metrics", serve_metrics(port))

@@ -118,6 +118,7 @@ def run(
             instance_id=f"{config.kafka.prefix}.{config.run}.verifier.{instance}",
             batch_size=config.verifier.batch_size,
             stop=stop,
+            commit_every_s=config.verifier.commit_every_s,
         )
         stats = loop.run(max_records=max_records, idle_timeout_s=idle_timeout_s)
     finally:

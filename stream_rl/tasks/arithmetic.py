@@ -5,6 +5,8 @@ the user message is exactly that text (e.g. `37+45=`) and the ideal completion i
 digits (a leading `-` for negative differences), then end of sequence. Problems are distinct
 operand/operator triples drawn without replacement with `seed` (the run seed when unset); the
 id is the expression itself (`arithmetic-37+45`), so it is stable across calls, seeds and runs.
+The held-out split (`load_eval_problems`) is `eval_problems` other triples, drawn with the same
+seed from those the training draw left out: disjoint from the training problems by construction.
 
 Scoring (the completion text excludes the end-of-sequence token; surrounding whitespace is
 ignored): empty -> `no_answer`; not an integer -> `unparsable`; exactly the answer's digits ->
@@ -43,6 +45,8 @@ class ArithmeticParams(TaskParams):
     """Distinct problems to generate (at most the number of operand/operator triples)."""
     seed: int | None = None
     """Seed of the problem draw; None: the run seed given to `load_problems`."""
+    eval_problems: int = Field(200, ge=1)
+    """Size of the held-out split: distinct triples outside the training problems."""
 
     @model_validator(mode="after")
     def _check(self) -> ArithmeticParams:
@@ -80,7 +84,8 @@ class ArithmeticTask(Task):
     Params = ArithmeticParams
     params: ArithmeticParams
 
-    def load_problems(self, run_id: str, seed: int) -> list[Problem]:
+    def _draw(self, seed: int) -> tuple[list[int], random.Random, int]:
+        """The training triples' indices, the generator after the draw, and the triple count."""
         p = self.params
         span = p.max_operand - p.min_operand + 1
         total = len(p.ops) * span * span
@@ -90,9 +95,34 @@ class ArithmeticTask(Task):
                 f"of operands {p.min_operand}..{p.max_operand} with ops {p.ops}"
             )
         rng = random.Random(p.seed if p.seed is not None else seed)
-        problems = []
         # range() is sampled without being materialised: cheap for large operand ranges.
-        for index in rng.sample(range(total), p.num_problems):
+        return rng.sample(range(total), p.num_problems), rng, total
+
+    def load_problems(self, run_id: str, seed: int) -> list[Problem]:
+        return self._problems(run_id, self._draw(seed)[0])
+
+    def load_eval_problems(self, run_id: str, seed: int) -> list[Problem]:
+        p = self.params
+        train, rng, total = self._draw(seed)
+        if p.num_problems + p.eval_problems > total:
+            raise ConfigError(
+                f"task.params.eval_problems: {p.eval_problems} held-out problems do not fit beside the "
+                f"{p.num_problems} training problems among {total} distinct ones"
+            )
+        taken = set(train)
+        held_out: list[int] = []
+        while len(held_out) < p.eval_problems:  # the complement is at least eval_problems large
+            index = rng.randrange(total)
+            if index not in taken:
+                taken.add(index)
+                held_out.append(index)
+        return self._problems(run_id, held_out)
+
+    def _problems(self, run_id: str, indices: list[int]) -> list[Problem]:
+        p = self.params
+        span = p.max_operand - p.min_operand + 1
+        problems = []
+        for index in indices:
             op_index, rest = divmod(index, span * span)
             a, b = (x + p.min_operand for x in divmod(rest, span))
             op = p.ops[op_index]

@@ -5,6 +5,9 @@ pydantic model with unknown keys forbidden) into:
 - `load_problems(run_id, seed) -> list[Problem]`: every problem at epoch 0 (the loader stage
   sets epochs). `problem_id`s are unique within the list and stable across calls: derived from
   the content or the position in the source, never drawn at random per call.
+- `load_eval_problems(run_id, seed) -> list[Problem]`: the held-out split (named `eval_split`),
+  disjoint from `load_problems`' problems (no id and no prompt in common), with stable ids; the
+  evaluator stage samples it. Every built-in task has one.
 - `score(problem, completion, *, finish_reason="stop") -> Scored`: the verdict and the reward of
   one completion (its text without the end-of-sequence token). The reward function belongs to
   the task (default 1.0 for `correct`, else 0.0). Scoring is deterministic and runs in
@@ -33,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from stream_rl.config import SamplingConfig
 from stream_rl.contracts import ChatMessage, Problem, Verdict, VersionSpan
 from stream_rl.errors import ConfigError, TaskError
+from stream_rl.inference.completion import Completion
 
 FINISH_LENGTH = "length"
 """The finish reason of a completion cut at max_tokens (overlong)."""
@@ -75,22 +79,6 @@ class TaskParams(BaseModel):
 
 
 @dataclass(slots=True)
-class Completion:
-    """One model call's result, as a `ModelClient` returns it."""
-
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    """Sampled tokens, end-of-sequence included when the model emitted it."""
-    logprobs: list[float]
-    """Behaviour logprob of each sampled token."""
-    version_spans: list[VersionSpan]
-    """Weight versions over `token_ids` (starts relative to this completion)."""
-    text: str
-    """Decoded completion without the end-of-sequence token."""
-    finish_reason: str
-
-
-@dataclass(slots=True)
 class MultiTurnResult:
     """A multi-turn rollout as ONE sequence: prompt, then model and environment tokens interleaved."""
 
@@ -112,6 +100,17 @@ class MultiTurnResult:
     """The environment's verdict and reward (the same `score(problem, text)` gives)."""
     turn_texts: list[str] = field(default_factory=list)
     """Each model call's text, for logs and tests."""
+
+    def completion(self) -> Completion:
+        """The whole sequence as one `Completion` (what the rollout is built from)."""
+        return Completion(
+            prompt_token_ids=self.prompt_token_ids,
+            token_ids=self.completion_token_ids,
+            logprobs=self.logprobs,
+            version_spans=self.version_spans,
+            text=self.text,
+            finish_reason=self.finish_reason,
+        )
 
 
 class ModelClient(Protocol):
@@ -148,6 +147,14 @@ class Task:
 
     def load_problems(self, run_id: str, seed: int) -> list[Problem]:
         raise NotImplementedError
+
+    @property
+    def eval_split(self) -> str:
+        """The name of the held-out split (EvalResult.split)."""
+        return "held-out"
+
+    def load_eval_problems(self, run_id: str, seed: int) -> list[Problem]:
+        raise TaskError(f"task {self.name!r} has no held-out split to evaluate on")
 
     def score(self, problem: Problem, completion: str, *, finish_reason: str = "stop") -> Scored:
         raise NotImplementedError

@@ -47,6 +47,8 @@ class GuessingParams(TaskParams):
     """`train`: odd targets; `test`: even targets."""
     num_problems: int | None = Field(None, ge=1)
     """Draw this many targets of the split (with the run seed); None: all of them."""
+    eval_problems: int | None = Field(100, ge=1)
+    """Held-out targets, drawn from the other split (None: all of it)."""
 
 
 def parse_guess(reply: str) -> int | None:
@@ -93,16 +95,26 @@ class GuessingTask(Task):
     params: GuessingParams
     multi_turn = True
 
+    @property
+    def eval_split(self) -> str:
+        return "test" if self.params.split == "train" else "train"
+
     def load_problems(self, run_id: str, seed: int) -> list[Problem]:
+        return self._problems(run_id, seed, self.params.split, self.params.num_problems, "num_problems")
+
+    def load_eval_problems(self, run_id: str, seed: int) -> list[Problem]:
+        return self._problems(run_id, seed, self.eval_split, self.params.eval_problems, "eval_problems")
+
+    def _problems(self, run_id: str, seed: int, split: str, count: int | None, key: str) -> list[Problem]:
         p = self.params
-        targets = list(range(1 if p.split == "train" else 2, p.max_number + 1, 2))
-        if p.num_problems is not None:
-            if p.num_problems > len(targets):
+        targets = list(range(1 if split == "train" else 2, p.max_number + 1, 2))
+        if count is not None:
+            if count > len(targets):
                 raise ConfigError(
-                    f"task.params.num_problems: {p.num_problems} exceeds the {len(targets)} "
-                    f"{p.split} targets of 1..{p.max_number}"
+                    f"task.params.{key}: {count} exceeds the {len(targets)} "
+                    f"{split} targets of 1..{p.max_number}"
                 )
-            targets = sorted(random.Random(seed).sample(targets, p.num_problems))
+            targets = sorted(random.Random(seed).sample(targets, count))
         instructions = (
             f"Guess a number between 1 and {p.max_number}. Reply with your guess as <answer>number</answer>. "
             f"After each guess I will tell you whether the number is higher or lower. You have "
@@ -111,10 +123,10 @@ class GuessingTask(Task):
         return [
             self.make_problem(
                 run_id,
-                problem_id=f"guessing-{p.split}-{target}",
+                problem_id=f"guessing-{split}-{target}",
                 user_content=instructions,
                 answer=str(target),
-                metadata={"split": p.split, "max_number": str(p.max_number)},
+                metadata={"split": split, "max_number": str(p.max_number)},
             )
             for target in targets
         ]

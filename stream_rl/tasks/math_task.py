@@ -7,6 +7,11 @@ Each row needs the problem text in `problem` (or `question`) and the reference a
 of its content (`math-000042-1a2b3c4d`): unique, and stable across calls while the file is
 unchanged. The row's own `id` field, if any, is kept in the metadata.
 
+Held-out split (`load_eval_problems`): the rows of `eval_path` (e.g. MATH-500), or else the
+`eval_size` rows of `path` whose content hash is smallest (then left out of training). Rows
+whose problem and answer also appear among the training rows are dropped from it, so the split
+is disjoint from training whichever way it is given.
+
 Scoring: `stream_rl.tasks.boxed.check_boxed_answer` (verdicts `correct`, `wrong`, `no_answer`,
 `unparsable`, and `error`/`timeout`), then a reward table over (verdict, finished), as
 PipelineRL's `rewards` option: `pure_success` (default) gives 1 for `correct` and 0 otherwise;
@@ -92,6 +97,10 @@ class MathParams(TaskParams):
     """Deadline of one answer check (parses and comparison)."""
     max_answer_chars: int = Field(1000, ge=1)
     """A longer boxed answer is `unparsable`."""
+    eval_path: str | None = None
+    """Held-out problems (same formats as `path`), e.g. MATH-500."""
+    eval_size: int = Field(0, ge=0)
+    """Without `eval_path`: hold out this many rows of `path` (the smallest content hashes)."""
 
     @field_validator("prompt_template")
     @classmethod
@@ -170,31 +179,74 @@ def score_math(
     return Scored(verdict, params.reward_table().lookup(verdict, finish_reason != FINISH_LENGTH), detail)
 
 
+def _with_run(problem: Problem, run_id: str) -> Problem:
+    problem.run_id = run_id
+    return problem
+
+
 @register_task("math")
 class MathTask(Task):
     Params = MathParams
     params: MathParams
 
-    def load_problems(self, run_id: str, seed: int) -> list[Problem]:
-        path = Path(self.params.path)
-        problems = []
+    def _rows(self, path: Path, prefix: str) -> list[tuple[str, Problem]]:
+        """(content digest, problem) of every row of `path`."""
+        out = []
         for index, row in enumerate(read_rows(path)):
             text, answer = _row_problem(path, index, row)
-            digest = hashlib.sha1(f"{text}\x00{answer}".encode()).hexdigest()[:8]
+            digest = hashlib.sha1(f"{text}\x00{answer}".encode()).hexdigest()
             metadata = {"source": path.name, "row": str(index)}
             if row.get("id") is not None:
                 metadata["source_id"] = str(row["id"])
-            problems.append(
-                self.make_problem(
-                    run_id,
-                    problem_id=f"math-{index:06d}-{digest}",
-                    user_content=self.params.prompt_template.replace("{problem}", text),
-                    answer=answer,
-                    metadata=metadata,
-                )
+            problem = self.make_problem(
+                "",
+                problem_id=f"{prefix}-{index:06d}-{digest[:8]}",
+                user_content=self.params.prompt_template.replace("{problem}", text),
+                answer=answer,
+                metadata=metadata,
             )
-        if not problems:
+            out.append((digest, problem))
+        if not out:
             raise TaskError(f"{path}: no problems")
+        return out
+
+    def _held_out(self, rows: list[tuple[str, Problem]]) -> set[str]:
+        """Digests of the rows of `path` held out for evaluation (without `eval_path`)."""
+        if self.params.eval_path is not None or not self.params.eval_size:
+            return set()
+        return {d for d, _ in sorted(rows, key=lambda r: r[0])[: self.params.eval_size]}
+
+    def load_problems(self, run_id: str, seed: int) -> list[Problem]:
+        rows = self._rows(Path(self.params.path), "math")
+        held = self._held_out(rows)
+        problems = [_with_run(p, run_id) for d, p in rows if d not in held]
+        if not problems:
+            raise TaskError(f"{self.params.path}: no training problems left after eval_size")
+        return problems
+
+    @property
+    def eval_split(self) -> str:
+        return Path(self.params.eval_path).stem if self.params.eval_path else "held-out"
+
+    def load_eval_problems(self, run_id: str, seed: int) -> list[Problem]:
+        p = self.params
+        train = self._rows(Path(p.path), "math")
+        if p.eval_path is None:
+            if not p.eval_size:
+                raise TaskError(
+                    "task math has no held-out split: set task.params.eval_path (a problem file) or "
+                    "task.params.eval_size (rows of task.params.path to hold out)"
+                )
+            held = self._held_out(train)
+            return [_with_run(prob, run_id) for d, prob in train if d in held]
+        seen = {d for d, _ in train}
+        problems = [
+            _with_run(prob, run_id) for d, prob in self._rows(Path(p.eval_path), "math-eval") if d not in seen
+        ]
+        if not problems:
+            raise TaskError(
+                f"task.params.eval_path: every problem of {p.eval_path} is also a training problem"
+            )
         return problems
 
     def score(self, problem: Problem, completion: str, *, finish_reason: str = "stop") -> Scored:

@@ -44,6 +44,7 @@ from stream_rl.config import RunConfig, TrainerConfig
 from stream_rl.contracts import TrainingBatch, TrainingSample
 from stream_rl.errors import ConfigError
 from stream_rl.kafka.serde import default_serde
+from stream_rl.modeling import enable_gradient_checkpointing, untied_head_name
 from stream_rl.rl.schedule import make_lr_lambda
 from stream_rl.rl.stats import TokenStats
 from stream_rl.train.packing import pack_samples
@@ -174,6 +175,12 @@ class DeepSpeedTrainer:
             config=ds_config(cfg, dtype, zero_stage),
         )
         self.engine.eval()  # no dropout: the recomputed logprobs must be the sampler's
+        if cfg.gradient_checkpointing:  # after eval(): it flags the checkpointed layers `training`
+            enable_gradient_checkpointing(self.engine.module.lm)
+        # DeepSpeed casts the whole module to bf16/fp16 (its fp32 master weights live in the
+        # optimizer); servers loaded in that dtype hold an untied lm_head in float32
+        # (stream_rl.modeling), so that one is pushed upcast: same values, the servers' dtype.
+        self._fp32_head = untied_head_name(lm) if dtype in ("bfloat16", "float16") else None
         self.device = self.engine.device
         self.zero_stage = zero_stage
         self._pending: list[TrainingBatch] = []
@@ -200,7 +207,10 @@ class DeepSpeedTrainer:
         if self.rank == 0:
             self.control.send(OP_WEIGHTS)
         with self._gathered():
-            yield [(n, p.detach()) for n, p in self.engine.module.lm.named_parameters()]
+            yield [
+                (n, p.detach().float() if n == self._fp32_head else p.detach())
+                for n, p in self.engine.module.lm.named_parameters()
+            ]
 
     def checksum(self) -> str:
         from stream_rl.weights.checksum import weights_checksum
@@ -310,7 +320,8 @@ def build_deepspeed_trainer(config: RunConfig, weights: str | Path | None = None
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     device = f"cuda:{torch.cuda.current_device()}" if tcfg.device == "cuda" else "cpu"
     # Loaded in float32: DeepSpeed casts to bf16/fp16 itself and keeps fp32 master weights.
-    lm = load_model(weights if weights is not None else config.model.path, "float32", device)
+    path = weights if weights is not None else config.model.path
+    lm = load_model(path, "float32", device, config.model.attn_implementation, runs_in=config.model.dtype)
     return DeepSpeedTrainer(
         lm,
         tcfg,

@@ -26,6 +26,12 @@ CHECKSUM_MISMATCH = Counter(
     "stream_rl_trainer_checksum_mismatch", "Re-trained versions whose checksum differs from the lineage"
 )
 CHECKPOINTS = Counter("stream_rl_trainer_checkpoints", "Checkpoints written")
+SKIPPED_STEPS = Counter("stream_rl_trainer_skipped_steps", "Steps not applied: the gradient was not finite")
+DUPLICATES = Counter("stream_rl_trainer_duplicates", "Samples dropped: their id was trained before")
+NONFINITE = Counter("stream_rl_trainer_nonfinite_micro_batches", "Micro-batches whose loss was not finite")
+EVAL_HOLD_SECONDS = Counter(
+    "stream_rl_trainer_eval_hold_seconds", "Seconds pushes were held for evaluations (eval.pin)"
+)
 
 
 def observe_step(version: int, metrics: Mapping[str, float], lags: Iterable[int]) -> None:
@@ -35,5 +41,7 @@ def observe_step(version: int, metrics: Mapping[str, float], lags: Iterable[int]
     SAMPLES.inc(metrics.get("samples", 0.0))
     FILTERED.inc(metrics.get("samples_filtered", 0.0))
     TOKENS.inc(metrics.get("tokens_trained", 0.0))
+    DUPLICATES.inc(metrics.get("duplicates", 0.0))
+    NONFINITE.inc(metrics.get("nonfinite_micro_batches", 0.0))
     for lag in lags:
         VERSION_LAG.observe(lag)

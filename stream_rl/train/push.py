@@ -1,10 +1,10 @@
 """The trainer's view of weight sync: which servers, how to join them, what a push reports.
 
-The real sender is `stream_rl.weights.WeightSender`; the stage only needs the `WeightPusher`
-shape below, so unit tests pass a hand-written fake. Servers are `inference.servers` when set,
-else the launched ones, `http://{inference.host}:{inference.base_port + i}` for
-`i < inference.num_servers`. Zero servers is allowed: the trainer then only publishes versions
-(replays, tests, offline training).
+The senders are `stream_rl.weights.WeightSender` (built-in servers) and the engine adapters
+(`stream_rl.weights.adapters`: vLLM, SGLang), chosen per server by its engine; the stage only
+needs the `WeightPusher` shape below, so unit tests pass a hand-written fake. Servers are
+`inference.server_list()`: `inference.servers` when set, else the launched ones. Zero servers is
+allowed: the trainer then only publishes versions (replays, tests, offline training).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -46,31 +46,107 @@ class WeightPusher(Protocol):
     def close(self) -> None: ...
 
 
-def server_urls(config: RunConfig) -> list[str]:
-    inf = config.inference
-    if inf.servers:
-        return [s.url.rstrip("/") for s in inf.servers]
-    return [f"http://{inf.host}:{inf.base_port + i}" for i in range(inf.num_servers)]
+def pause_policy(config: RunConfig) -> str:
+    """How an engine that pauses around an install treats running sequences: `keep` (their KV from
+    the old weights stays, PipelineRL), `recompute` (`inference.kv_policy: recompute`) or `drain`
+    (`in_flight_updates: false`: they finish on the old weights first)."""
+    if not config.in_flight_updates:
+        return "drain"
+    return "recompute" if config.inference.kv_policy == "recompute" else "keep"
 
 
 def make_sender(config: RunConfig) -> WeightPusher | None:
-    """The weight sender for the configured servers (None when there are none)."""
-    urls = server_urls(config)
-    if not urls:
+    """The weight sender for the configured servers (None when there are none): one per engine
+    among them (the built-in `WeightSender`, `VLLMWeightSender`, `SGLangWeightSender`), behind
+    one `WeightPusher`."""
+    servers = config.inference.server_list()
+    if not servers:
         return None
-    from stream_rl.weights import ServerEndpoint, WeightSender
-
     token = config.inference.admin_token
     secret = token.get_secret_value() if token is not None else None
+    senders: list[WeightPusher] = []
+    for engine in dict.fromkeys(s.engine for s in servers):
+        from stream_rl.weights import ServerEndpoint
+
+        endpoints = [ServerEndpoint(s.url, secret) for s in servers if s.engine == engine]
+        senders.append(_engine_sender(config, str(engine), endpoints))
+    return senders[0] if len(senders) == 1 else MultiSender(senders)
+
+
+def _engine_sender(config: RunConfig, engine: str, endpoints: list[Any]) -> WeightPusher:
     tcfg = config.trainer
-    sender: WeightPusher = WeightSender(
-        [ServerEndpoint(url, secret) for url in urls],
-        master_addr=tcfg.sync_master_addr,
-        master_port=tcfg.sync_master_port,
-        backend="nccl" if tcfg.device == "cuda" else "gloo",
-        timeout_s=tcfg.update_timeout_s,
+    addr, port, timeout_s = tcfg.sync_master_addr, tcfg.sync_master_port, tcfg.update_timeout_s
+    if engine == "vllm":
+        from stream_rl.weights.adapters.vllm import VLLMWeightSender
+
+        return VLLMWeightSender(
+            endpoints,
+            backend=config.inference.vllm_backend(),
+            pause=pause_policy(config),
+            bucket_bytes=int(tcfg.bucket_mb * (1 << 20)),
+            master_addr=addr,
+            master_port=port,
+            timeout_s=timeout_s,
+        )
+    if engine == "sglang":
+        from stream_rl.weights.adapters.sglang import SGLangWeightSender
+
+        return SGLangWeightSender(
+            endpoints, master_addr=addr, master_port=port, timeout_s=timeout_s, pause=pause_policy(config)
+        )
+    from stream_rl.weights.transport import make_builtin_sender
+
+    # trainer.weight_transport (transport.py): gloo, nccl, cuda_ipc, or auto (per server, by device)
+    sender: WeightPusher = make_builtin_sender(
+        endpoints,
+        transport=tcfg.weight_transport,
+        trainer_device=tcfg.device,
+        master_addr=addr,
+        master_port=port,
+        timeout_s=timeout_s,
     )
     return sender
+
+
+class MultiSender:
+    """Several engines' senders as one `WeightPusher` (a run whose servers mix engines)."""
+
+    def __init__(self, senders: Sequence[WeightPusher]) -> None:
+        self.senders = list(senders)
+
+    @property
+    def live_servers(self) -> list[str]:
+        return [url for s in self.senders for url in s.live_servers]
+
+    def connect(self) -> dict[str, str]:
+        failures: dict[str, str] = {}
+        errors = []
+        for sender in self.senders:
+            try:
+                failures.update(sender.connect())
+            except WeightSyncError as exc:
+                errors.append(str(exc))
+        if errors and not self.live_servers:
+            raise WeightSyncError("; ".join(errors))
+        return failures
+
+    def push(
+        self, version: int, named_tensors: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int
+    ) -> PushOutcome:
+        from stream_rl.weights.sender import PushReport
+
+        report = PushReport(version=version, broadcast_ms=0.0)
+        for sender in self.senders:
+            part = sender.push(version, named_tensors, bucket_bytes)
+            report.updated += part.updated
+            report.failed.update(part.failed)
+            report.per_server.update(part.per_server)
+            report.broadcast_ms = max(report.broadcast_ms, part.broadcast_ms)
+        return report
+
+    def close(self) -> None:
+        for sender in self.senders:
+            sender.close()
 
 
 def connect_servers(pusher: WeightPusher, timeout_s: float, stop: StopFlag, retry_s: float = 1.0) -> None:
@@ -94,3 +170,34 @@ def connect_servers(pusher: WeightPusher, timeout_s: float, stop: StopFlag, retr
             )
         log.info("waiting for servers to join the weight-sync group: %s", dict(failures))
         stop.wait(retry_s)
+
+
+def rejoin_dropped(pusher: WeightPusher, urls: Sequence[str], health_timeout_s: float = 1.0) -> bool:
+    """Ask dropped servers to re-join, if any of them answers `GET /health` (a join with a dead
+    server would cost a timeout); True when one re-joined. Failures are logged, never raised."""
+    import httpx
+
+    missing = [url for url in urls if url not in set(pusher.live_servers)]
+    up = []
+    for url in missing:
+        try:
+            if httpx.get(f"{url}/health", timeout=health_timeout_s).status_code == 200:
+                up.append(url)
+        except httpx.HTTPError:
+            continue
+    if not up:
+        return False
+    before = len(pusher.live_servers)
+    try:
+        failures = pusher.connect()
+    except WeightSyncError as exc:
+        log.warning("re-joining dropped servers failed: %s", exc)
+        return False
+    for url, why in failures.items():
+        log.warning("server %s answers /health but did not re-join: %s", url, why)
+    joined = len(pusher.live_servers) > before
+    if joined:
+        log.info(
+            "re-joined %d dropped server(s); the next version goes to them", len(pusher.live_servers) - before
+        )
+    return joined

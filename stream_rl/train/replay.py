@@ -74,11 +74,13 @@ class ReplayReport:
 class _Reader:
     """Messages of the assigned partitions, handed out per partition in offset order."""
 
-    def __init__(self, transport: Transport, topic: str, poll_timeout_s: float) -> None:
+    def __init__(
+        self, transport: Transport, topic: str, poll_timeout_s: float, start: dict[int, int] | None = None
+    ) -> None:
         self.parts = sorted(transport.watermarks(topic))
         self.topic = topic
         self.consumer = transport.consumer(None, "replay-trainer")
-        self.consumer.assign({(topic, p): 0 for p in self.parts})
+        self.consumer.assign({(topic, p): (start or {}).get(p, 0) for p in self.parts})
         self.pending: dict[TopicPartition, deque[Message]] = {(topic, p): deque() for p in self.parts}
         self.poll_timeout_s = poll_timeout_s
 
@@ -125,7 +127,10 @@ def replay_trainer(
     v0 = versions[0]
     report.rows.append(ReplayRow(0, 0, v0.checksum, trainer.checksum(), v0.samples_consumed, 0))
     reader = _Reader(transport, names.topic(TRAINING_BATCHES), poll_timeout_s)
-    runner = StepRunner(trainer, config.trainer.pack_row_tokens)
+    from stream_rl.train.dedupe import TrainedIds
+
+    # The run's trainer dropped duplicates with the same window, from offset 0: same decisions.
+    runner = StepRunner(trainer, config.trainer.pack_row_tokens, TrainedIds(config.trainer.dedupe_window))
     position = {tp: 0 for tp in reader.pending}
     consumed = 0
     try:

@@ -21,6 +21,7 @@ Contract:
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -34,12 +35,16 @@ from torch import nn
 from stream_rl.config import RunConfig, TrainerConfig
 from stream_rl.contracts import TrainingSample
 from stream_rl.errors import ConfigError
+from stream_rl.modeling import enable_gradient_checkpointing, load_causal_lm
 from stream_rl.rl.logprobs import token_entropy, token_logprobs
 from stream_rl.rl.losses import LossOutput, policy_loss
 from stream_rl.rl.schedule import make_lr_lambda
 from stream_rl.rl.stats import TokenStats
 from stream_rl.train.packing import PackedBatch, pack_forwards
-from stream_rl.weights.buckets import DTYPES
+from stream_rl.train.precision import MasterWeights
+
+MASTER_WEIGHTS_FILE = "master_weights.pt"
+"""Checkpoint file of the float32 master weights of a bf16 model (absent for float32 models)."""
 
 
 def configure_determinism(deterministic: bool, seed: int, threads: int) -> None:
@@ -59,19 +64,20 @@ def configure_determinism(deterministic: bool, seed: int, threads: int) -> None:
         torch.use_deterministic_algorithms(True)
 
 
-def load_model(path: str | Path, dtype: str, device: str) -> nn.Module:
-    """The causal LM in `path` (a local HF directory), in eval mode, on `device`."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
+def load_model(
+    path: str | Path, dtype: str, device: str, attn_implementation: str = "sdpa", runs_in: str | None = None
+) -> nn.Module:
+    """The causal LM in `path` (a local HF directory), in eval mode, on `device`, in `dtype` with
+    an untied lm_head kept float32 for bf16/fp16 (`stream_rl.modeling`)."""
     p = Path(path)
     if not (p / "config.json").is_file():
         raise ConfigError(
             f"model.path {path!r} is not a model directory (no config.json); "
             "build one with `stream-rl make-model --preset tiny --out DIR`"
         )
-    model: Any = AutoModelForCausalLM.from_pretrained(str(p), dtype=DTYPES[dtype], attn_implementation="sdpa")
+    model: Any = load_causal_lm(
+        p, dtype=dtype, attn_implementation=attn_implementation, device=device, runs_in=runs_in
+    )
     cfg = model.config
     # The LM head is applied by hand to completion positions only: models whose forward
     # post-processes logits would be scored wrongly.
@@ -80,7 +86,6 @@ def load_model(path: str | Path, dtype: str, device: str) -> nn.Module:
             raise ConfigError(
                 f"model {path}: {attr} is set; the trainer does not support logit post-processing"
             )
-    model.to(device)
     model.eval()
     return model
 
@@ -92,6 +97,10 @@ class MicroResult:
     stats: TokenStats
     real_tokens: int
     padded_tokens: int
+    finite: bool = True
+    """False: a forward pass's loss was not finite and that pass was not back-propagated (its
+    loss, stats and tokens are left out of the fields above; the micro-batch's other passes,
+    if any, trained as usual). With one pass (the usual case) nothing was back-propagated."""
 
 
 @dataclass
@@ -104,6 +113,8 @@ class StepOutcome:
     """Backends that train at step time (DeepSpeed) report the step's summed loss here..."""
     stats: TokenStats | None = None
     """...and its token statistics (the torch backend reports them per micro-batch instead)."""
+    skipped: bool = False
+    """The gradient norm was not finite: the step was not applied (gradients cleared)."""
 
 
 class TrainerBackend(Protocol):
@@ -208,9 +219,14 @@ class PolicyTrainer:
         self.temperature = temperature
         self.device = torch.device(device)
         self.ref_model = ref_model
+        if cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # bf16 parameters are trained through float32 master copies (precision.py): the
+        # optimizer, clipping and the accumulated gradients are float32.
+        self.precision = MasterWeights(self.params)
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+            self.precision.masters, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -232,9 +248,9 @@ class PolicyTrainer:
         return torch.cat(out)
 
     def micro_batch(self, samples: list[TrainingSample]) -> MicroResult:
-        """Forward and backward one micro-batch (one backward per forward pass); gradients
-        accumulate until `optimizer_step`."""
-        loss, stats, real, padded = 0.0, TokenStats(), 0, 0
+        """Forward and backward one micro-batch (one backward per forward pass: a sample longer
+        than a row has a pass of its own); gradients accumulate until `optimizer_step`."""
+        loss, stats, real, padded, finite = 0.0, TokenStats(), 0, 0, True
         for packed, _ in pack_forwards(samples, self.cfg.pack_row_tokens):
             logits = completion_logits(self.model, packed, self.device)
             ref_logits = None
@@ -242,16 +258,21 @@ class PolicyTrainer:
                 with torch.no_grad():
                     ref_logits = completion_logits(self.ref_model, packed, self.device)
             out = micro_loss(self.cfg, self.temperature, logits, packed, ref_logits)
+            if not bool(torch.isfinite(out.loss.detach())):
+                # Nothing non-finite may reach the gradients: this pass is dropped, counted.
+                finite = False
+                continue
             out.loss.backward()
+            self.precision.accumulate()
             loss += float(out.loss.detach().item())
             stats = stats + out.stats
             real += packed.real_tokens
             padded += packed.padded_tokens
-        return MicroResult(loss=loss, stats=stats, real_tokens=real, padded_tokens=padded)
+        return MicroResult(loss=loss, stats=stats, real_tokens=real, padded_tokens=padded, finite=finite)
 
     def optimizer_step(self, num_sequences: int) -> StepOutcome:
         """Average the accumulated gradients over `num_sequences`, clip, step AdamW and the schedule."""
-        grads = [p for p in self.params if p.grad is not None]
+        grads = [p for p in self.precision.masters if p.grad is not None]
         if num_sequences > 0:
             for p in grads:
                 assert p.grad is not None
@@ -260,10 +281,13 @@ class PolicyTrainer:
         if grads:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, self.cfg.grad_clip).item())
         lr = float(self.scheduler.get_last_lr()[0])
-        self.optimizer.step()
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:  # a non-finite gradient is never applied: weights and AdamW state stay
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepOutcome(grad_norm=grad_norm, lr=lr)
+        self.precision.publish()
+        return StepOutcome(grad_norm=grad_norm, lr=lr, skipped=skipped)
 
     @property
     def vocab_size(self) -> int:
@@ -285,11 +309,16 @@ class PolicyTrainer:
         self.model.save_pretrained(str(directory / "model"))
         torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
         torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
+        if self.precision.mixed:
+            torch.save(self.precision.state_dict(), directory / MASTER_WEIGHTS_FILE)
 
     def load_from(self, directory: Path) -> None:
         """Restore optimizer and scheduler state (the weights were loaded from `directory/model`)."""
         self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
         self.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=True))
+        masters = directory / MASTER_WEIGHTS_FILE
+        if self.precision.mixed and masters.is_file():
+            self.precision.load_state_dict(torch.load(masters, weights_only=True))
 
     def close(self) -> None:
         return None
@@ -305,10 +334,12 @@ def build_trainer(config: RunConfig, weights: str | Path | None = None) -> Train
 
         return build_deepspeed_trainer(config, weights)
     configure_determinism(tcfg.deterministic, tcfg.seed, tcfg.torch_threads)
-    model = load_model(weights if weights is not None else config.model.path, config.model.dtype, tcfg.device)
+    attn = config.model.attn_implementation
+    path = weights if weights is not None else config.model.path
+    model = load_model(path, config.model.dtype, tcfg.device, attn)
     ref = None
     if tcfg.kl_coef > 0:
-        ref = load_model(config.model.path, config.model.dtype, tcfg.device).requires_grad_(False)
+        ref = load_model(config.model.path, config.model.dtype, tcfg.device, attn).requires_grad_(False)
     return PolicyTrainer(
         model, tcfg, temperature=config.actor.sampling.temperature, device=tcfg.device, ref_model=ref
     )

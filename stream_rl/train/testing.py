@@ -27,6 +27,7 @@ def make_tiny_model(
     heads: int = 4,
     kv_heads: int = 2,
     seed: int = 0,
+    tie_embeddings: bool = True,
 ) -> Path:
     """A random-init Qwen2 causal LM saved with `save_pretrained` (safetensors); returns `out`."""
     import torch
@@ -40,7 +41,7 @@ def make_tiny_model(
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         max_position_embeddings=1024,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_embeddings,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)

@@ -46,7 +46,7 @@ def send_buckets(
     wake = wake or threading.Event()
     device = group.device
     ring_bytes = max((bucket_nbytes(b) for b in plan if len(b) > 1), default=0)
-    in_flight: deque[_InFlight] = deque()
+    in_flight: deque[InFlight] = deque()
     offset = 0
     posted = 0  # buckets broadcast so far: picks the staging slot
     for bucket in plan:
@@ -61,9 +61,7 @@ def send_buckets(
             # Free: the bucket posted two before this one (the slot's last user) has completed.
             buffer = group.staging(posted % IN_FLIGHT, max(ring_bytes, size))
             payload = pack_bucket(tensors, out=buffer)
-        in_flight.append(
-            _InFlight(group.broadcast(payload, deadline - time.monotonic()), group.backend, wake)
-        )
+        in_flight.append(InFlight(group.broadcast(payload, deadline - time.monotonic()), group.backend, wake))
         posted += 1
         if len(in_flight) == IN_FLIGHT:
             await_work(in_flight.popleft(), group, deadline=deadline, abort=abort, wake=wake)
@@ -71,7 +69,7 @@ def send_buckets(
         await_work(in_flight.popleft(), group, deadline=deadline, abort=abort, wake=wake)
 
 
-class _InFlight:
+class InFlight:
     """A started collective and how to tell that it ended.
 
     Gloo: its future's completion, which also sets `wake` (`Work.is_completed()` turns true a
@@ -91,7 +89,7 @@ class _InFlight:
 
 
 def await_work(
-    item: _InFlight,
+    item: InFlight,
     group: SyncGroup,
     *,
     deadline: float,

@@ -5,7 +5,10 @@ Endpoints (the server contract; DESIGN §5):
   joins the weight-sync group; answers once joined.
 - `POST /weights/update` `{version, tensors: [{name, dtype, shape}], bucket_bytes}`: the server
   receives the broadcast buckets, installs them, answers `{version, receive_ms, stall_ms}`.
-- `GET /weights/meta` -> `[{name, dtype, shape}]`; `GET /weights/version` -> `{version}`.
+- `GET /weights/meta` -> `[{name, dtype, shape}]`; `GET /weights/version` -> `{version}`;
+  `GET /weights/device` -> `{device, type, uuid}`.
+- CUDA IPC (a server on the trainer's GPU; `stream_rl.weights.ipc`): `POST /weights/init_ipc`
+  `{device_uuid, torch_version}`, `POST /weights/update_ipc` (an update plus `buckets`: handles).
 Every call carries `Authorization: Bearer <token>` when the endpoint has an admin token.
 Failures (unreachable, timeout, non-2xx, malformed answer) raise `WeightSyncError` naming the
 server, the call and the cause.
@@ -96,11 +99,38 @@ class ServerClient:
             )
         return [TensorMeta.from_dict(item) for item in data]
 
+    def device(self, timeout_s: float) -> dict[str, Any]:
+        """`GET /weights/device`: `{"device", "type", "uuid"}`."""
+        data = self._call("GET", "/weights/device", timeout_s)
+        if not isinstance(data, dict) or "type" not in data:
+            raise WeightSyncError(f"GET {self.endpoint.base}/weights/device: unexpected answer {data!r:.200}")
+        return data
+
+    def init_ipc(self, *, device_uuid: str, torch_version: str, timeout_s: float) -> None:
+        body = {"device_uuid": device_uuid, "torch_version": torch_version}
+        self._call("POST", "/weights/init_ipc", timeout_s, body)
+
     def update(
-        self, *, version: int, metas: Sequence[TensorMeta], bucket_bytes: int, timeout_s: float
+        self,
+        *,
+        version: int,
+        metas: Sequence[TensorMeta],
+        bucket_bytes: int,
+        timeout_s: float,
+        ipc_buckets: list[dict[str, Any]] | None = None,
     ) -> UpdateAnswer:
-        body = {"version": version, "tensors": [m.to_dict() for m in metas], "bucket_bytes": bucket_bytes}
-        data = self._call("POST", "/weights/update", timeout_s, body)
+        """`POST /weights/update` (the buckets are broadcast meanwhile), or with `ipc_buckets`
+        `POST /weights/update_ipc` (the buckets are shared CUDA memory)."""
+        body: dict[str, Any] = {
+            "version": version,
+            "tensors": [m.to_dict() for m in metas],
+            "bucket_bytes": bucket_bytes,
+        }
+        path = "/weights/update"
+        if ipc_buckets is not None:
+            body["buckets"] = ipc_buckets
+            path = "/weights/update_ipc"
+        data = self._call("POST", path, timeout_s, body)
         try:
             answer = UpdateAnswer(
                 version=int(data["version"]),
@@ -108,13 +138,10 @@ class ServerClient:
                 stall_ms=float(data["stall_ms"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise WeightSyncError(
-                f"POST {self.endpoint.base}/weights/update: malformed answer {data!r:.200}"
-            ) from exc
+            raise WeightSyncError(f"POST {self.endpoint.base}{path}: malformed answer {data!r:.200}") from exc
         if answer.version != version:
             raise WeightSyncError(
-                f"POST {self.endpoint.base}/weights/update: server installed version {answer.version}, "
-                f"expected {version}"
+                f"POST {self.endpoint.base}{path}: server installed version {answer.version}, expected {version}"
             )
         return answer
 

@@ -18,6 +18,7 @@ the servers were told), the other ranks to their own address on the route to `ma
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -74,6 +75,26 @@ def host_store(addr: str, port: int, world_size: int, timeout_s: float) -> dist.
     raise WeightSyncError(f"cannot host a weight-sync store on {addr} from port {port}: {last}") from last
 
 
+def cuda_device(device: str | torch.device) -> torch.device:
+    """`device` with an explicit index (`cuda` -> `cuda:<current>`); CPU devices unchanged."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def gpu_uuid(index: int) -> str:
+    """The GPU's UUID as `nvidia-smi -L` spells it (`GPU-...`): equal in every process on that GPU,
+    whatever `CUDA_VISIBLE_DEVICES` numbering each sees."""
+    uuid = str(torch.cuda.get_device_properties(index).uuid)
+    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+
+
+def on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[Any]:
+    """`torch.cuda.stream(stream)` (which also selects the stream's device), or nothing on CPU."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
 def local_address_towards(addr: str) -> str:
     """This host's address on the route to `addr` (no packet is sent)."""
     try:
@@ -107,21 +128,26 @@ class SyncGroup:
         self.world_size = world_size
         self.backend = backend
         self.timeout_s = timeout_s
-        self.device = torch.device("cpu") if backend == "gloo" else torch.device(device)
+        self.device = torch.device("cpu") if backend == "gloo" else cuda_device(device)
         self._store: dist.Store | None = store
         self._staging: dict[int, torch.Tensor] = {}
+        # NCCL: the handshake (and so the communicator's first kernels) runs on a stream of its
+        # own, so that joining never makes the default stream (an engine's decode) wait.
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         try:
-            self._pg: _Backend | None = self._build(store, local_addr)
-            marker = torch.tensor([_HANDSHAKE if rank == 0 else 0], dtype=torch.int64, device=self.device)
-            self.broadcast(marker, timeout_s).wait()
+            with on_stream(self.stream):
+                self._pg: _Backend | None = self._build(store, local_addr)
+                marker = torch.tensor([_HANDSHAKE if rank == 0 else 0], dtype=torch.int64, device=self.device)
+                self.broadcast(marker, timeout_s).wait()
+                got = int(marker.item())  # on the same stream as the wait: ordered after the broadcast
         except (RuntimeError, ValueError) as exc:  # torch.distributed raises RuntimeError subclasses
             self.close()
             raise WeightSyncError(
                 f"could not form the weight-sync group ({backend}, rank {rank}): {exc}"
             ) from exc
-        if int(marker.item()) != _HANDSHAKE:
+        if got != _HANDSHAKE:
             self.close()
-            raise WeightSyncError(f"weight-sync handshake mismatch: got {int(marker.item()):#x}")
+            raise WeightSyncError(f"weight-sync handshake mismatch: got {got:#x}")
 
     def _build(self, store: dist.Store, local_addr: str) -> _Backend:
         if self.backend == "gloo":
@@ -135,6 +161,10 @@ class SyncGroup:
             )
             opts._devices = [device]
             return dist.ProcessGroupGloo(store, self.rank, self.world_size, opts)
+        # On an NCCL error or timeout, abort the communicator without tearing the process down
+        # (torch's default, 3, kills it): a server must outlive a dead trainer. The user's own
+        # setting wins. Read when the group is built.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         nccl_opts = dist.ProcessGroupNCCL.Options()
         nccl_opts._timeout = timedelta(seconds=self.timeout_s * _NCCL_TIMEOUT_FACTOR + _NCCL_TIMEOUT_MARGIN_S)
         return dist.ProcessGroupNCCL(store, self.rank, self.world_size, nccl_opts)

@@ -237,7 +237,7 @@ class WeightSender:
         live = [link for link in self._links.values() if link.group is not None]
         targets = [link for link in live if link.version != version]
         for link in targets:
-            _check_against_server(metas, link.metas or {}, link.url)
+            check_against_server(metas, link.metas or {}, link.url)
         report = PushReport(version=version, broadcast_ms=0.0)
         report.updated = [link.url for link in live if link.version == version]
         if targets:
@@ -367,7 +367,7 @@ def _request_failure(request: cf.Future[UpdateAnswer]) -> str | None:
     return None
 
 
-def _check_against_server(metas: Sequence[TensorMeta], server: dict[str, TensorMeta], url: str) -> None:
+def check_against_server(metas: Sequence[TensorMeta], server: dict[str, TensorMeta], url: str) -> None:
     """Raise `WeightSyncError` naming what differs between the update and the server's weights."""
     ours = {m.name: m for m in metas}
     missing = [name for name in server if name not in ours]

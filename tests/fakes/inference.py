@@ -2,8 +2,8 @@
 
 `FakeServer` is one server's state (weight version, up/down, calls in flight); `FakeClient`
 speaks the `stream_rl.inference.client.InferenceClient` interface the actor uses: `complete(prompt,
-sampling, seed=)` where prompt is chat messages (single-turn) or token ids (multi-turn turns),
-`health()`, `aclose()`. Tokens are characters: id = ord(char); END (id 3) ends a reply.
+sampling, seed=)` / `complete_many(...)` where prompt is chat messages (single-turn) or token ids
+(multi-turn turns), returning real `Completion`s; `health()`, `version()`, `aclose()`. Tokens are characters: id = ord(char); END (id 3) ends a reply.
 
 The policy is a deterministic function of the request seed: arithmetic prompts (`a+b=`) get the
 right sum when `seed % 3 != 0`, else a wrong one; token prompts (guessing turns) get a guess.
@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stream_rl.config import SamplingConfig
-from stream_rl.contracts import ChatMessage
-from stream_rl.errors import InferenceError
+from stream_rl.contracts import ChatMessage, VersionSpan
+from stream_rl.errors import BadRequestError, InferenceError
+from stream_rl.inference.completion import Completion
 
 END = 3
 ROLE = {"system": 4, "user": 5, "assistant": 6}
@@ -54,16 +55,6 @@ def arithmetic_reply(content: str, seed: int | None) -> str:
     return str(value)
 
 
-@dataclass(frozen=True)
-class FakeCompletion:
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    version_spans: list[dict[str, int]]
-    text: str
-    finish_reason: str
-
-
 @dataclass
 class FakeServer:
     url: str
@@ -71,7 +62,9 @@ class FakeServer:
     latency_s: float = 0.0
     down: bool = False
     reject: set[str] = field(default_factory=set)
-    """Prompts (user content) this server answers with an error while up (a 'bad request')."""
+    """Prompts (user content) this server refuses as invalid while up (HTTP 400, BadRequestError)."""
+    crash: set[str] = field(default_factory=set)
+    """Prompts (user content) this server fails on while up (HTTP 500, InferenceError)."""
     calls: int = 0
     failures: int = 0
     in_flight: int = 0
@@ -91,7 +84,7 @@ class FakeClient:
 
     async def complete(
         self, prompt: list[int] | list[dict[str, Any]], sampling: SamplingConfig, *, seed: int | None = None
-    ) -> FakeCompletion:
+    ) -> Completion:
         return (await self.complete_many(prompt, sampling, n=1, seed=seed))[0]
 
     async def complete_many(
@@ -101,7 +94,7 @@ class FakeClient:
         *,
         n: int = 1,
         seed: int | None = None,
-    ) -> list[FakeCompletion]:
+    ) -> list[Completion]:
         """One request for n sequences (sequence i of a seeded request uses seed * 1000003 + i,
         as the real engine derives them)."""
         s = self.server
@@ -124,16 +117,20 @@ class FakeClient:
         finally:
             s.in_flight -= 1
         s.seeds.append(seed)
-        if prompt and isinstance(prompt[0], dict) and str(prompt[-1]["content"]) in s.reject:  # type: ignore[index]
+        content = str(prompt[-1]["content"]) if prompt and isinstance(prompt[0], dict) else None  # type: ignore[index]
+        if content in s.reject:
             s.failures += 1
-            raise InferenceError(f"POST {s.url}: HTTP 400: prompt rejected")
+            raise BadRequestError(f"POST {s.url}: HTTP 400: prompt rejected")
+        if content in s.crash:
+            s.failures += 1
+            raise InferenceError(f"POST {s.url}: HTTP 500: the engine failed on this prompt")
         out = []
         for i in range(n):
             sub_seed = seed if (seed is None or n == 1) else seed * 1_000_003 + i
             out.append(self._one(prompt, sub_seed))
         return out
 
-    def _one(self, prompt: list[int] | list[dict[str, Any]], seed: int | None) -> FakeCompletion:
+    def _one(self, prompt: list[int] | list[dict[str, Any]], seed: int | None) -> Completion:
         s = self.server
         if prompt and isinstance(prompt[0], dict):
             content = str(prompt[-1]["content"])  # type: ignore[index]
@@ -144,19 +141,23 @@ class FakeClient:
             text = f"<answer>{(seed or 0) % 7 + 1 + len(prompt_ids) % 5}</answer>"
         ids = [*map(ord, text), END]
         n = len(ids)
-        return FakeCompletion(
+        return Completion(
             prompt_token_ids=prompt_ids,
             token_ids=ids,
             logprobs=[-0.25 - 0.01 * i for i in range(n)],
-            version_spans=[{"version": s.version, "start": 0}],
+            version_spans=[VersionSpan(s.version, 0)],
             text=text,
             finish_reason="stop",
         )
 
-    async def health(self) -> dict[str, Any]:
+    async def health(self) -> None:
         if self.server.down:
             raise InferenceError(f"GET {self.server.url}/health failed: ConnectError: refused")
-        return {"status": "ok", "version": self.server.version}
+
+    async def version(self) -> int | None:
+        if self.server.down:
+            raise InferenceError(f"GET {self.server.url}/v1/models failed: ConnectError: refused")
+        return self.server.version
 
     async def aclose(self) -> None:
         return None

@@ -6,8 +6,11 @@ Start the engine on its own GPU(s), then point the test at it, the trainer on an
     STREAM_RL_VLLM_URL=http://127.0.0.1:8000 STREAM_RL_ENGINE_MODEL=Qwen/Qwen2.5-0.5B-Instruct \\
         CUDA_VISIBLE_DEVICES=1 .venv/bin/pytest -m gpu tests/gpu/test_engine_adapters.py
 
-    python -m sglang.launch_server --model-path Qwen/Qwen2.5-0.5B-Instruct --port 30000
+    python -m sglang.launch_server --model-path Qwen/Qwen2.5-0.5B-Instruct --port 30000 \\
+        --weight-version 0 --disable-radix-cache --disable-overlap-schedule
     STREAM_RL_SGLANG_URL=http://127.0.0.1:30000 STREAM_RL_ENGINE_MODEL=... (same command)
+
+(SGLang's labels, pause policies and recovery: tests/gpu/test_sglang.py.)
 
 The trainer's weights are the model's own, loaded with transformers (so generation stays
 sensible); the test pushes them twice and checks the reports and that the server still answers.

@@ -15,8 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stream_rl.config import SamplingConfig
-from stream_rl.errors import InferenceError
-from stream_rl.inference.client import InferenceClient
+from stream_rl.errors import BadRequestError, InferenceError
+from stream_rl.inference.client import BuiltinClient
 from stream_rl.inference.engine import Engine
 from stream_rl.inference.model_maker import make_model
 from stream_rl.inference.testing import ServerThread, load_weights, random_weights
@@ -121,7 +121,7 @@ def test_stop_string_over_http(server: ServerThread) -> None:
 
 def test_64_concurrent_requests_are_all_answered(server: ServerThread) -> None:
     async def main() -> list[int]:
-        async with InferenceClient(server.url) as client:
+        async with BuiltinClient(server.url) as client:
             sampling = SamplingConfig(temperature=1.0, max_tokens=24)
             prompts = [[4, *range(6 + i % 50, 6 + i % 50 + 1 + i % 13), 1, 5] for i in range(64)]
             results = await asyncio.gather(
@@ -219,7 +219,7 @@ def test_health_models_and_metrics(server: ServerThread) -> None:
 
 def test_client_chat_health_version_and_errors(server: ServerThread, model_dir: Path) -> None:
     async def main() -> None:
-        async with InferenceClient(server.url, admin_token=TOKEN) as client:
+        async with BuiltinClient(server.url) as client:
             messages = [{"role": "user", "content": "2+2="}]
             completion = await client.complete(
                 messages, SamplingConfig(max_tokens=6, temperature=1.0), seed=3
@@ -234,14 +234,12 @@ def test_client_chat_health_version_and_errors(server: ServerThread, model_dir: 
             assert again.token_ids == completion.token_ids  # seeded
             many = await client.complete_many([4, 9, 1, 5], SamplingConfig(max_tokens=5), n=3)
             assert len(many) == 3 and all(c.prompt_token_ids == [4, 9, 1, 5] for c in many)
-            assert await client.health() == {"status": "ok", "version": 0}
-            assert await client.version() == 0
-            with pytest.raises(InferenceError, match="HTTP 400.*token ids"):
+            await client.health()
+            assert await client.version() == 0  # public: /v1/models, no admin token needed
+            with pytest.raises(BadRequestError, match="HTTP 400.*token ids") as bad:
                 await client.complete([999_999], SamplingConfig())
-        async with InferenceClient(server.url) as anonymous:
-            with pytest.raises(InferenceError, match="401"):
-                await anonymous.version()
-        async with InferenceClient("http://127.0.0.1:9") as nowhere:
+            assert bad.value.status == 400
+        async with BuiltinClient("http://127.0.0.1:9") as nowhere:
             with pytest.raises(InferenceError, match="failed"):
                 await nowhere.health()
 

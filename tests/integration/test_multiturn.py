@@ -120,14 +120,14 @@ class WrongGuesses:
 
 
 def test_a_long_game_with_the_tiny_model_is_one_sequence_the_model_scores_back(tiny_server: Any) -> None:
-    from stream_rl.inference.client import InferenceClient
+    from stream_rl.inference.client import BuiltinClient
 
     task = get_task("guessing", {"max_number": 16, "max_turns": 4})
     problem: Problem = next(p for p in task.load_problems("run", 0) if p.answer == "9")
     tokenizer = ChatTokenizer(tiny_server.model_path)
 
     async def play() -> tuple[Any, WrongGuesses]:
-        async with InferenceClient(tiny_server.url) as http:
+        async with BuiltinClient(tiny_server.url) as http:
             client = WrongGuesses(TurnClient(http, tokenizer, seed=7))
             return await task.generate_rollout(client, problem, SamplingConfig(**SAMPLING)), client
 

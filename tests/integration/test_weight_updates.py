@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from stream_rl.config import SamplingConfig
 from stream_rl.errors import WeightSyncError
-from stream_rl.inference.client import InferenceClient
+from stream_rl.inference.client import BuiltinClient
 from stream_rl.inference.engine import Engine
 from stream_rl.inference.model_maker import make_model
 from stream_rl.inference.parameters import DTYPES
@@ -101,7 +101,7 @@ def test_generation_spanning_an_update_has_two_spans_and_requests_during_it_are_
 
         async def scenario() -> tuple[Any, list[Any], Any]:
             long_body = {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "logprobs": 0}
-            async with InferenceClient(server.url) as client, httpx.AsyncClient(timeout=60) as http:
+            async with BuiltinClient(server.url) as client, httpx.AsyncClient(timeout=60) as http:
                 long_call = asyncio.create_task(http.post(f"{server.url}/v1/completions", json=long_body))
                 while engine.stats().generated_tokens < 50:  # the long one is decoding
                     await asyncio.sleep(0.005)
@@ -127,6 +127,8 @@ def test_generation_spanning_an_update_has_two_spans_and_requests_during_it_are_
 
 class FakeReceiver:
     """Fills the shadow buffers from given tensors, or fails like a broken group."""
+
+    ready = None  # CPU: the bytes are in place when receive returns
 
     def __init__(self, tensors: dict[str, torch.Tensor] | None, **group: Any) -> None:
         self.tensors, self.group, self.closed = tensors, group, False

@@ -49,8 +49,19 @@ def setup(config: RunConfig) -> tuple[MemoryTransport, TopicNames]:
     return t, names
 
 
-def publish(t: MemoryTransport, names: TopicNames, v: int, consumed: int) -> None:
-    wv = replace(make_weight_version(v, run_id="r"), samples_trained=consumed, samples_filtered=0)
+def publish(
+    t: MemoryTransport,
+    names: TopicNames,
+    v: int,
+    consumed: int,
+    updated: tuple[str, ...] = ("http://a", "http://b"),
+) -> None:
+    wv = replace(
+        make_weight_version(v, run_id="r"),
+        samples_trained=consumed,
+        samples_filtered=0,
+        servers_updated=list(updated),
+    )
     t.producer("trainer").produce(names[WEIGHT_VERSIONS], default_serde().encode(wv), key="r")
 
 

@@ -1,15 +1,19 @@
-"""The Docker path, checked without Docker (no engine on our machines): docker-compose.yml parses,
-every stream-rl service runs a real `stream-rl` subcommand whose arguments parse with that
+"""The Docker path, checked without Docker (tests/docker/ runs it for real): docker-compose.yml
+parses, every stream-rl service runs a real `stream-rl` subcommand whose arguments parse with that
 command's own parser and whose `--config` loads, the services agree with configs/demo-docker.yaml
-and the Prometheus config (hostnames, ports, paths), and the Dockerfile installs exactly what the
-README's "Install without make" says. Plus: `--instance` takes a replica's hostname."""
+and the Prometheus config (hostnames, ports, paths), the images default to public bases, the
+Dockerfiles copy what exists, the stream-rl Dockerfile installs exactly what the README's "Install
+without make" says, and the Kafka image's entry point turns the compose file's KAFKA_* variables
+into the broker's properties. Plus: `--instance` takes a replica's hostname."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
+import subprocess
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -44,11 +48,7 @@ def dockerfile_instructions(keyword: str) -> list[str]:
 
 
 def stream_rl_services() -> dict[str, dict[str, Any]]:
-    return {
-        name: svc
-        for name, svc in SERVICES.items()
-        if svc.get("image") == "stream-rl:latest" or "Dockerfile" in str(svc.get("build", ""))
-    }
+    return {name: svc for name, svc in SERVICES.items() if svc.get("image") == "stream-rl:latest"}
 
 
 def invocations(svc: dict[str, Any]) -> list[list[str]]:
@@ -87,6 +87,24 @@ def test_compose_parses_and_every_stream_rl_service_runs_a_command() -> None:
     assert set(services) >= {"init", "server", "trainer", "loader", *SCALED, "lag-exporter"}
     assert all(invocations(spec) for spec in services.values())
     assert {"kafka", "prometheus", "grafana"} <= set(SERVICES)
+    # One service builds the image the others run (so `up` builds it once, and pulls nothing).
+    assert [n for n, svc in services.items() if "build" in svc] == ["init"]
+    assert SERVICES["grafana"]["profiles"] == ["grafana"], "Grafana is unverified: opt-in only"
+
+
+def test_images_default_to_public_bases() -> None:
+    """BASE selects the base image; without the variables base.sh prints, public images are used."""
+    expected = {
+        "init": ("deploy/Dockerfile", "STREAM_RL_PYTHON_BASE", "python:3.11-slim"),
+        "kafka": ("docker/kafka.Dockerfile", "STREAM_RL_BASE", "debian:bookworm-slim"),
+        "prometheus": ("docker/prometheus.Dockerfile", "STREAM_RL_BASE", "debian:bookworm-slim"),
+    }
+    for service, (dockerfile, variable, default) in expected.items():
+        build = SERVICES[service]["build"]
+        assert build["dockerfile"] == dockerfile
+        assert build["args"]["BASE"] == f"${{{variable}:-{default}}}"
+        text = (REPO / build["context"] / dockerfile).read_text()
+        assert f"ARG BASE={default}\nFROM ${{BASE}}" in text, f"{dockerfile} defaults to {default}"
 
 
 @pytest.mark.parametrize("service,argv", ALL, ids=[f"{s}:{a[0]}" for s, a in ALL])
@@ -129,7 +147,11 @@ def test_services_agree_with_the_docker_config() -> None:
     assert cfg.trainer.sync_master_addr in SERVICES and cfg.trainer.sync_master_addr == "trainer"
     # One model path: built by init, served, trained; on the shared volume.
     make_model = args_of("init", "make-model")
-    assert cfg.model.path == serve.model == make_model.out == "/models/tiny-arith"
+    assert cfg.model.path == serve.model == "/models/tiny-arith"
+    # Made aside and renamed when complete, so an interrupted `init` does not leave half a model.
+    init_script = " ".join(SERVICES["init"]["command"])
+    assert f"test -d {cfg.model.path} ||" in init_script
+    assert f"mv {make_model.out} {cfg.model.path}" in init_script
     assert make_model.warm_start == "arithmetic"
     assert any(v.endswith(":/models") for v in SERVICES["server"]["volumes"])
     assert args_of("init", "topics").action == "apply"
@@ -159,6 +181,57 @@ def test_bind_mounts_exist() -> None:
                 assert (REPO / source).exists(), f"{name} mounts {source}, which does not exist"
     grafana = SERVICES["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert (REPO / "deploy" / "grafana" / "dashboards" / Path(grafana).name).is_file()
+
+
+@pytest.mark.parametrize("service", ["kafka", "prometheus"])
+def test_deploy_context_dockerfiles_copy_what_exists(service: str) -> None:
+    build = SERVICES[service]["build"]
+    context = REPO / build["context"]
+    for line in (context / build["dockerfile"]).read_text().splitlines():
+        if line.startswith("COPY "):
+            for source in line.split()[1:-1]:
+                assert (context / source).exists(), (
+                    f"{build['dockerfile']} copies {source}, which does not exist"
+                )
+
+
+def test_kafka_entry_point_turns_the_compose_variables_into_properties(tmp_path: Path) -> None:
+    """deploy/docker/kafka-run.sh with the kafka service's environment and a `java` that records
+    its arguments: the properties are the KAFKA_* variables by the apache/kafka image's rule, the
+    storage is formatted once with CLUSTER_ID, and the broker gets the class path unexpanded."""
+    (tmp_path / "config").mkdir()
+    (tmp_path / "libs").mkdir()
+    (tmp_path / "libs" / "a.jar").touch()
+    (tmp_path / "bin").mkdir()
+    java = tmp_path / "bin" / "java"
+    java.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/java.log\n')
+    java.chmod(0o755)
+    env = {k: str(v) for k, v in SERVICES["kafka"]["environment"].items()}
+    env["KAFKA_LOG_DIRS"] = str(tmp_path / "data")
+    env["KAFKA_ADVERTISED_LISTENERS"] = env["KAFKA_ADVERTISED_LISTENERS"].replace(
+        "${STREAM_RL_KAFKA_PORT:-9092}", "9092"
+    )
+    env |= {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "STREAM_RL_KAFKA_HOME": str(tmp_path)}
+    script = REPO / "deploy" / "docker" / "kafka-run.sh"
+    subprocess.run([str(script)], env=env, check=True, timeout=30)
+    props = dict(
+        line.split("=", 1) for line in (tmp_path / "config" / "server.properties").read_text().splitlines()
+    )
+    assert props["process.roles"] == "broker,controller"
+    assert props["listener.security.protocol.map"] == env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"]
+    assert props["transaction.abort.timed.out.transaction.cleanup.interval.ms"] == "5000"
+    assert props["log.dirs"] == str(tmp_path / "data")
+    assert "heap.opts" not in props and "cluster.id" not in props
+    assert len(props) == len([k for k in env if k.startswith("KAFKA_") and k != "KAFKA_HEAP_OPTS"])
+    fmt, start = (tmp_path / "java.log").read_text().splitlines()
+    assert "kafka.tools.StorageTool format --cluster-id=4L6g3nShT-eMCtK--X86sw" in fmt
+    assert start.split()[:2] == ["-Xms256m", "-Xmx768m"]
+    assert f"-cp {tmp_path}/libs/* kafka.Kafka {tmp_path}/config/server.properties" in start
+    # Formatted storage is not formatted again.
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.properties").touch()
+    subprocess.run([str(script)], env=env, check=True, timeout=30)
+    assert len((tmp_path / "java.log").read_text().splitlines()) == 3
 
 
 def test_dockerfile_copies_what_exists_and_installs_the_readme_steps() -> None:

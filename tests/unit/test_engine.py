@@ -11,10 +11,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from stream_rl.contracts import VersionSpan
 from stream_rl.errors import InferenceError
 from stream_rl.inference.engine import Engine
 from stream_rl.inference.model_maker import make_model
-from stream_rl.inference.sequence import SamplingParams, VersionSpan
+from stream_rl.inference.sequence import SamplingParams
 from stream_rl.inference.testing import load_weights, random_weights
 
 pytestmark = pytest.mark.unit

@@ -28,6 +28,7 @@ def test_follows_versions_and_waits() -> None:
         assert follower.wait_for_version(2, timeout=5)
         latest = follower.latest
         assert latest is not None and latest.version == 2
-        assert [w.version for w in follower.history] == [0, 1, 2]
+        assert [w.version for w in follower.drain()] == [0, 1, 2]
+        assert follower.drain() == []  # handed over once: the follower keeps nothing
     finally:
         follower.stop()

@@ -32,13 +32,16 @@ PATH_RE = re.compile(
     r"`((?:\.{0,2}/)?[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.*<>-]*)+|[A-Za-z0-9_-]+\.(?:py|yaml|yml|md|toml|json|avsc|xml|png))`"
 )
 GENERATED = ("runs/", ".kafka", "models/", "bench/results/", "~/", "/", "<")
+# Files the project writes, named bare in the README: a run's summary, a model folder's config,
+# the wheel folder bench/gpu_wheels.sh fills.
+WRITTEN = {"summary.json", "config.json", ".whl/"}
 
 
 def named_paths() -> list[str]:
     out = []
     for m in PATH_RE.finditer(README):
         path = m.group(1)
-        if any(path.startswith(g) for g in GENERATED) or "<" in path or "*" in path:
+        if any(path.startswith(g) for g in GENERATED) or path in WRITTEN or "<" in path or "*" in path:
             continue
         if "/" not in path and not any(t == path or t.endswith("/" + path) for t in TRACKED):
             out.append(path)  # a bare file name must exist somewhere in the repo

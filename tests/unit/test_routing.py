@@ -94,12 +94,12 @@ def test_all_servers_down_waits_instead_of_dropping(caplog: pytest.LogCaptureFix
 
     with caplog.at_level(logging.WARNING, logger="stream_rl.stages.routing"):
         asyncio.run(main())
-    assert "all 1 inference servers are down" in caplog.text
+    assert "no inference server in routing (a: down)" in caplog.text
 
 
-def test_a_request_the_servers_keep_rejecting_is_given_up() -> None:
+def test_a_request_the_servers_keep_failing_on_is_given_up() -> None:
     async def main() -> None:
-        a = FakeServer("a", reject={"2+3="})
+        a = FakeServer("a", crash={"2+3="})
         pool = pool_of([a], max_retries=2, cap=8)
 
         async def good(i: int) -> None:
@@ -115,6 +115,84 @@ def test_a_request_the_servers_keep_rejecting_is_given_up() -> None:
             await ask(pool, "bad")
         await others  # the good requests all succeeded meanwhile
         assert 3 <= a.failures <= 6  # max_retries + 1 strikes (a few more while the server looked dead)
+        await pool.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_request_the_server_refuses_is_rejected_at_once_and_the_server_stays() -> None:
+    async def main() -> None:
+        a = FakeServer("a", reject={"2+3="})
+        pool = pool_of([a], max_retries=1)
+        with pytest.raises(RequestRejected, match="refused by a: .*HTTP 400: prompt rejected"):
+            await ask(pool, "bad")
+        assert a.calls == 1 and not pool.servers[0].dead and pool.servers[0].failures == 0
+
+        async def other(server: Server) -> str:
+            await server.client.complete([{"role": "user", "content": "1+1="}], SamplingConfig())
+            return server.url
+
+        assert await pool.call(other, "good") == "a"  # still routed to
+        await pool.aclose()
+
+    asyncio.run(main())
+
+
+def test_servers_not_holding_the_newest_version_are_set_aside_until_they_do() -> None:
+    async def main() -> None:
+        a, b = FakeServer("a", version=3), FakeServer("b", version=3)
+        pool = pool_of([a, b], version_probe_s=0.01)
+        pool.observe(3, ["a", "b"])
+        pool.observe(4, ["a"], ["b"])  # b was dropped by the trainer at version 4
+        assert [s.url for s in pool.live()] == ["a"]
+        assert {await ask(pool, f"r{i}") for i in range(6)} == {"a"}
+        b.version = 4  # the trainer re-joined it and pushed 4: the probe sees it
+        for _ in range(200):
+            if len(pool.live()) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert len(pool.live()) == 2
+        pool.observe(5, [], [])  # a trainer that pushes to nobody gates nothing
+        assert len(pool.live()) == 2
+        await pool.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_server_back_from_the_dead_is_routed_to_only_once_it_holds_the_newest_version() -> None:
+    async def main() -> None:
+        a = FakeServer("a", version=7, down=True)
+        pool = pool_of([a], max_retries=1, version_probe_s=0.01)
+        pool.observe(7, ["a"])
+        call = asyncio.create_task(ask(pool))
+        while not pool.servers[0].dead:
+            await asyncio.sleep(0.005)
+        a.down, a.version = False, 0  # restarted: it serves the weights it loaded (version 0)
+        await asyncio.sleep(0.3)
+        assert pool.servers[0].stale and not call.done()
+        a.version = 7  # the trainer pushed the current version again
+        assert await asyncio.wait_for(call, 5) == "a"
+        await pool.aclose()
+
+    asyncio.run(main())
+
+
+def test_an_answer_below_the_staleness_floor_is_dropped_and_retried_elsewhere() -> None:
+    async def main() -> None:
+        a, b = FakeServer("a", version=10), FakeServer("b", version=10)
+        pool = pool_of([a, b], max_lag=1, version_probe_s=10)
+        pool.observe(10, ["a", "b"])
+        seen = []
+
+        async def call(server: Server) -> str:
+            seen.append(server.url)
+            pool.check_fresh(server, 0 if server.url == "a" else 10)  # a restarted unnoticed
+            return server.url
+
+        results = [await pool.call(call, f"r{i}") for i in range(4)]
+        assert results == ["b"] * 4 and seen.count("a") == 1 and pool.stale_responses == 1
+        assert pool.servers[0].stale and pool.servers[0].failures == 0
+        pool.check_fresh(pool.servers[1], 8)  # 10 - (1 + 1): at the floor is fine
         await pool.aclose()
 
     asyncio.run(main())

@@ -12,7 +12,7 @@ from stream_rl.kafka.topics import WEIGHT_VERSIONS, load_topology
 
 pytestmark = pytest.mark.unit
 
-ROLES = ("loader", "actor", "verifier", "preprocessor", "trainer")
+ROLES = ("loader", "actor", "verifier", "preprocessor", "trainer", "evaluator")
 
 
 @pytest.mark.parametrize("role", ROLES)

@@ -8,10 +8,11 @@ alone; a push skips servers already at its version, so re-pushing the current ve
 `connect()` re-joins a restarted server reaches that server only.
 
 Subclasses implement `_join(server, port)` (both sides of the group; returns the trainer's
-handle) and `_update(server, handle, version, named_tensors, bucket_bytes)` (returns
-`receive_ms` and `stall_ms`). Each runs on a worker thread with `timeout_s` to finish; a
-server that fails or overruns is dropped and reported. An NCCL collective stuck on a dead
-peer cannot be interrupted from Python: its thread is abandoned (GPU only, unverified here).
+handle), `_update(server, handle, version, named_tensors, bucket_bytes)` (returns
+`receive_ms` and `stall_ms`) and optionally `_release(handle)`. Each runs on a worker thread
+with `timeout_s` to finish; a server that fails or overruns is dropped and reported. An NCCL
+collective stuck on a dead peer cannot be interrupted from Python: its thread is abandoned
+(GPU only, unverified here).
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ class EngineSender(ABC):
         self.master_addr = master_addr
         self.master_port = master_port
         self.timeout_s = timeout_s
-        self.http = httpx.Client(timeout=timeout_s)
+        # No keep-alive: vLLM (uvicorn) closes a connection after a 500, and a pooled connection
+        # closed that way fails the next call; a few calls per update need no pool.
+        self.http = httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_keepalive_connections=0))
         self._servers = {s.url: _Server(s) for s in servers}
         self._next_port = master_port
 
@@ -140,7 +143,7 @@ class EngineSender(ABC):
             except (cf.TimeoutError, WeightSyncError) as exc:
                 report.failed[url] = str(exc) or f"no update within {self.timeout_s:.0f} s"
                 log.warning("%s weight sync: dropping %s: %s", self.engine, url, report.failed[url])
-                server.handle, server.version = None, None
+                self._drop(server)
                 continue
             finally:
                 pool.shutdown(wait=False, cancel_futures=True)
@@ -151,9 +154,14 @@ class EngineSender(ABC):
             report.broadcast_ms = max(report.broadcast_ms, elapsed)
         return report
 
+    def _drop(self, server: _Server, *, pending: bool = True) -> None:
+        handle, server.handle, server.version = server.handle, None, None
+        if handle is not None:
+            self._release(handle, pending=pending)
+
     def close(self) -> None:
         for server in self._servers.values():
-            server.handle, server.version = None, None
+            self._drop(server, pending=False)  # every push ended: nothing is pending
         self.http.close()
 
     def __enter__(self) -> EngineSender:
@@ -163,6 +171,10 @@ class EngineSender(ABC):
         self.close()
 
     # -- engine-specific ---------------------------------------------------------------------
+
+    def _release(self, handle: Any, *, pending: bool) -> None:  # noqa: B027 (an optional hook)
+        """Let go of a dropped server's group (default: nothing to do). `pending`: a collective
+        may still be pending on it (then it must not block the caller)."""
 
     @abstractmethod
     def _join(self, server: ServerEndpoint, port: int) -> Any:

@@ -1,0 +1,291 @@
+"""`docker compose up` for real (marker `docker`): the test's own Docker engine
+(deploy/docker/engine.sh: own data root in the cache, exec root, socket and pidfile, no iptables
+rules), the images built from the Debian base deploy/docker/base.sh makes, the compose project of
+docker-compose.yml (plus tests/docker/compose.test.yml: an explicit subnet, the cached model
+volume) brought up, and the CPU demo's run read from the host through Kafka's published port:
+
+- the reward of what was sampled rises from <= 0.4 (first 3 versions) to >= 0.7 (last 3);
+- `up -d --scale actor=3 --scale verifier=2` mid-run: every replica takes part and, once the run
+  has drained, every scored sample is in `training-batches` exactly once (none lost, none twice);
+- `docker compose run --rm trainer status --run demo-docker --once` shows the live run;
+- Prometheus (Debian's, in its own image) scrapes every stage and the server;
+- `down` then `up` keeps the topics and their records;
+- after `down` and the engine's stop, the host's firewall rules, interfaces and forwarding are
+  as they were.
+
+Needs deploy/docker/install.sh's tools (`make test` runs it), root, `make setup`. Cold cache
+(no base image, no layers, no model): ~15-25 min; warm: see README "Docker".
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+from compose_stack import DEPLOY, Compose, Engine, Topics, host_network_state, models_volume, sh, wait_for
+
+from stream_rl.config import load_config
+from stream_rl.contracts import PartitionOffset, ScoredRollout, TrainingBatch
+from stream_rl.kafka.reader import read_to_end
+from stream_rl.kafka.topics import RAW_ROLLOUTS, SCORED, TRAINING_BATCHES
+from stream_rl.train.lineage import read_weight_versions
+
+pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
+
+CONFIG = load_config("configs/demo-docker.yaml")
+RUN = CONFIG.run
+STEPS = CONFIG.trainer.max_steps
+SCALE_AT = STEPS // 4  # the version after which actors go 1 -> 3 and verifiers 1 -> 2
+GROUP = CONFIG.actor.group_size
+
+
+@dataclass
+class DemoRun:
+    """What the scenario saw; the tests below assert on it."""
+
+    timings: dict[str, float] = field(default_factory=dict)
+    versions: list[int] = field(default_factory=list)
+    trainer_exit: str = ""
+    scored: list[tuple[int, int, ScoredRollout]] = field(default_factory=list)
+    """(partition, offset, record) of every `scored` record."""
+    preprocessed: dict[int, int] = field(default_factory=dict)
+    """The preprocessor group's committed offsets on `scored` at the end."""
+    batches: list[TrainingBatch] = field(default_factory=list)
+    trained_ids: list[str] = field(default_factory=list)
+    actors: set[str] = field(default_factory=set)
+    stages: list[dict[str, str]] = field(default_factory=list)
+    status: str = ""
+    prometheus_up: dict[str, int] = field(default_factory=dict)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    eng = Engine(before=host_network_state())
+    try:
+        eng.up()
+        yield eng
+    finally:
+        eng.down()
+
+
+@pytest.fixture(scope="module")
+def stack(engine: Engine) -> Iterator[Compose]:
+    start = time.monotonic()
+    bases = dict(
+        line.split("=", 1) for line in sh([str(DEPLOY / "base.sh")], engine.env, timeout=1800).split()
+    )
+    compose = Compose(engine.env, bases)
+    compose.timings["base.sh"] = time.monotonic() - start
+    compose.docker("volume", "create", models_volume())
+    compose("down", "-v", "--remove-orphans", check=False)  # an interrupted run's containers and topics
+    try:
+        yield compose
+    finally:
+        _take_down(compose)
+
+
+def _take_down(compose: Compose) -> None:
+    """Containers, network and the run's volumes; then what the cache need not keep: layers no
+    image uses any more (older builds of the project) and the models of older code."""
+    if compose.taken_down:
+        return
+    compose("down", "-v", "--remove-orphans", "--timeout", "30", check=False)
+    compose.docker("image", "prune", "-f", check=False)
+    for volume in compose.docker("volume", "ls", "-q", "--filter", "name=stream-rl-ci-models-").split():
+        if volume != models_volume():
+            compose.docker("volume", "rm", volume, check=False)
+    compose.taken_down = True
+
+
+def test_images_build_from_the_cached_base(stack: Compose) -> None:
+    start = time.monotonic()
+    stack("build")
+    stack.timings["build"] = time.monotonic() - start
+
+    def layers(image: str) -> list[str]:
+        return json.loads(stack.docker("image", "inspect", "--format", "{{json .RootFS.Layers}}", image))
+
+    for image, base in [
+        ("stream-rl:latest", stack.env["STREAM_RL_PYTHON_BASE"]),
+        ("stream-rl-kafka:4.3.1", stack.env["STREAM_RL_BASE"]),
+        ("stream-rl-prometheus:latest", stack.env["STREAM_RL_BASE"]),
+    ]:
+        assert layers(image)[: len(layers(base))] == layers(base), f"{image} is not built on {base}"
+    # The image runs the project's own code (editable install of /app).
+    out = stack.docker("run", "--rm", "--network", "none", "stream-rl:latest", "topics", "--help")
+    assert "apply" in out
+
+
+def _versions(topics: Topics) -> list[int]:
+    try:
+        return [v.version for v in read_weight_versions(topics.kafka, topics.names, timeout_s=10)]
+    except Exception:  # noqa: BLE001 - the topic does not exist before `init` ran
+        return []
+
+
+def _prometheus_up(stack: Compose) -> dict[str, int]:
+    url = f"http://127.0.0.1:{stack.prometheus_port}/api/v1/query?query=up"
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        result = json.load(resp)["data"]["result"]
+    return dict(Counter(r["metric"]["role"] for r in result if r["value"][1] == "1"))
+
+
+@pytest.fixture(scope="module")
+def demo(stack: Compose, engine: Engine) -> DemoRun:
+    out = DemoRun(timings=stack.timings)
+    topics = Topics(stack.bootstrap, RUN)
+    try:
+        return _run_the_demo(stack, engine, topics, out)
+    finally:
+        topics.close()
+
+
+def _run_the_demo(stack: Compose, engine: Engine, topics: Topics, out: DemoRun) -> DemoRun:
+    start = time.monotonic()
+    stack("up", "-d")
+    engine.record_networks()
+    wait_for("weight version 1", lambda: 1 in _versions(topics), timeout=900)
+    out.timings["up to version 1"] = time.monotonic() - start
+    wait_for(f"weight version {SCALE_AT}", lambda: SCALE_AT in _versions(topics), timeout=600)
+    stack("up", "-d", "--scale", "actor=3", "--scale", "verifier=2")
+    # While it trains: the live picture, and Prometheus scraping every replica.
+    wait_for(
+        "3 actors running",
+        lambda: len([c for c in stack.containers("actor") if c["state"] == "running"]) == 3,
+        120,
+    )
+    started = time.monotonic()
+    out.status = stack("run", "--rm", "trainer", "status", "--run", RUN, "--once", timeout=120)
+    out.timings["compose run trainer status"] = time.monotonic() - started
+    out.prometheus_up = wait_for(
+        "Prometheus scraping 3 actors and 2 verifiers",
+        lambda: (up := _prometheus_up(stack)).get("actor") == 3 and up.get("verifier") == 2 and up,
+        timeout=120,
+    )
+    wait_for(
+        f"the trainer's exit after {STEPS} steps",
+        lambda: all(c["state"] == "exited" for c in stack.containers("trainer")),
+        timeout=900,
+        every=5,
+    )
+    out.timings["up to the last version"] = time.monotonic() - start
+    out.trainer_exit = stack.containers("trainer")[0]["exit"]
+    out.versions = _versions(topics)
+
+    # The run drains: groups in flight are finished and scored; the preprocessor packs what its
+    # bound lets it (it holds once `max_lag`-many steps' worth of batches wait untrained, and the
+    # trainer has stopped). Drained = nothing moves for 5 s and the verifiers have consumed all.
+    def drained() -> bool:
+        def snapshot() -> tuple[object, ...]:
+            return (
+                topics.end_offsets(RAW_ROLLOUTS),
+                topics.end_offsets(SCORED),
+                topics.end_offsets(TRAINING_BATCHES),
+                topics.committed("preprocessor", SCORED),
+            )
+
+        before = snapshot()
+        time.sleep(5)
+        return before == snapshot() and topics.lag("verifier", RAW_ROLLOUTS) == 0
+
+    wait_for("the run to drain", drained, timeout=300, every=1)
+    out.preprocessed = topics.committed("preprocessor", SCORED)
+    out.actors = {r.actor_id for r in topics.raw()}
+    out.stages = [c for service in ("actor", "verifier", "preprocessor") for c in stack.containers(service)]
+    out.scored = topics.scored_at()
+    out.batches = topics.batches()
+    final = read_weight_versions(topics.kafka, topics.names)[-1]
+    out.trained_ids = _trained_ids(topics, final.consumed_offsets)
+    return out
+
+
+def _trained_ids(topics: Topics, consumed: list[PartitionOffset]) -> list[str]:
+    """Sample ids of the micro-batches the trainer consumed (below its final offsets)."""
+    topic = topics.names[TRAINING_BATCHES]
+    ends = {(o.topic, o.partition): o.offset for o in consumed}
+    return [
+        s.rollout_id
+        for m in read_to_end(topics.kafka, topic)
+        if m.offset < ends.get((topic, m.partition), 0)
+        for s in topics.serde.decode(m.value, TrainingBatch).samples
+    ]
+
+
+def _mean(values: list[float]) -> float:
+    assert values, "no samples"
+    return sum(values) / len(values)
+
+
+def test_compose_up_learns(demo: DemoRun) -> None:
+    assert demo.trainer_exit == "0"
+    assert demo.versions == list(range(STEPS + 1))
+    first = _mean([s.reward for _p, _o, s in demo.scored if s.rollout.version_spans[0].version <= 2])
+    last = _mean([s.reward for _p, _o, s in demo.scored if s.rollout.version_spans[0].version >= STEPS - 3])
+    print(f"\nreward of the sampled: first 3 versions {first:.3f}, last 3 {last:.3f}; timings {demo.timings}")
+    assert first <= 0.4
+    assert last >= 0.7
+
+
+def test_scaled_stages_rebalance_and_every_sample_is_trained_exactly_once(demo: DemoRun) -> None:
+    assert [c["state"] for c in demo.stages] == ["running"] * 6, demo.stages  # none died rebalancing
+    assert len(demo.actors) == 3, demo.actors  # the first actor and the two added
+    assert len({s.verifier_id for _p, _o, s in demo.scored}) == 2
+    packed = Counter(s.rollout_id for b in demo.batches for s in b.samples)
+    scored = {s.rollout.rollout_id: s for _p, _o, s in demo.scored}
+    groups = Counter(s.rollout.group_id for s in scored.values())
+    assert set(groups.values()) == {GROUP}, "every group scored whole"
+    assert max(packed.values()) == 1, "a sample packed twice"
+    assert set(packed) <= set(scored), "packed samples that were never scored"
+    # None lost: every sample the preprocessor has consumed is packed, but for the groups that
+    # still have a sample it has not consumed (it holds at its bound; they stay in the log).
+    waiting = {s.rollout.group_id for p, o, s in demo.scored if o >= demo.preprocessed.get(p, 0)}
+    consumed = {s.rollout.rollout_id for p, o, s in demo.scored if o < demo.preprocessed.get(p, 0)}
+    lost = {i for i in consumed if scored[i].rollout.group_id not in waiting} - set(packed)
+    assert not lost, f"{len(lost)} consumed samples never packed, e.g. {sorted(lost)[:3]}"
+    trained = Counter(demo.trained_ids)
+    assert len(trained) >= STEPS * CONFIG.trainer.samples_per_step
+    assert max(trained.values()) == 1, "a sample trained twice"
+    print(
+        f"\n{len(scored)} samples scored ({len(demo.scored)} records), {sum(packed.values())} packed, "
+        f"{len(groups) - len(waiting)} of {len(groups)} groups packed ({len(waiting)} wait at the "
+        f"preprocessor's bound), {len(trained)} trained by version {STEPS}; actors {sorted(demo.actors)}"
+    )
+
+
+def test_status_shows_the_live_picture(demo: DemoRun) -> None:
+    assert f"run {RUN}" in demo.status
+    assert "trainer: version" in demo.status and "reward" in demo.status
+    for group in ("actor", "verifier", "preprocessor", "trainer"):
+        assert any(line.split()[:1] == [group] for line in demo.status.splitlines()), demo.status
+
+
+def test_prometheus_scrapes_every_stage(demo: DemoRun) -> None:
+    up = demo.prometheus_up
+    assert up.get("actor") == 3 and up.get("verifier") == 2
+    assert {"trainer", "server", "preprocessor", "lag-exporter"} <= set(up), up
+
+
+def test_down_then_up_keeps_the_topics(stack: Compose, demo: DemoRun) -> None:
+    topics = Topics(stack.bootstrap, RUN)
+    try:
+        before = {t: topics.end_offsets(t) for t in (RAW_ROLLOUTS, SCORED)}
+        stack("down", "--timeout", "30")
+        assert not stack("ps", "-q")
+        stack("up", "-d", "--wait", "kafka", timeout=300)
+        assert {t: topics.end_offsets(t) for t in before} == before
+        assert len(topics.scored()) == len(demo.scored)
+        stack("down", "--timeout", "30")
+    finally:
+        topics.close()
+
+
+def test_the_engine_leaves_nothing_behind(engine: Engine, stack: Compose) -> None:
+    _take_down(stack)
+    assert not stack("ps", "-a", "-q")
+    engine.down()
+    assert host_network_state() == engine.before

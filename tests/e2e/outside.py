@@ -1,0 +1,81 @@
+"""An outside view of a run: its topics read with confluent-kafka and decoded with the `.avsc`
+files and fastavro alone, never the stages' own classes (what a chaos harness in its own clone
+would do). Topic names follow the README: `stream-rl.<run>.<topic>`."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import confluent_kafka as ck
+from fastavro import parse_schema, schemaless_reader
+from fastavro.schema import fingerprint, to_parsing_canonical_form
+
+SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
+
+
+class Decoder:
+    """Avro single-object decoding (`C3 01`, 8-byte CRC-64-AVRO fingerprint, body)."""
+
+    def __init__(self, directory: Path = SCHEMAS) -> None:
+        self.writers: dict[bytes, tuple[str, Any]] = {}
+        for path in [*sorted(directory.glob("*.avsc")), *sorted(directory.glob("released/*/*.avsc"))]:
+            raw = json.loads(path.read_text())
+            fp = bytes.fromhex(fingerprint(to_parsing_canonical_form(raw), "CRC-64-AVRO"))
+            self.writers.setdefault(fp, (raw["name"], parse_schema(raw)))
+
+    def decode(self, data: bytes) -> tuple[str, dict[str, Any]]:
+        assert data[:2] == b"\xc3\x01", "not an Avro single object"
+        name, schema = self.writers[bytes(data[2:10])]
+        return name, schemaless_reader(io.BytesIO(data[10:]), schema)  # type: ignore[call-arg]
+
+
+def topic(run: str, name: str) -> str:
+    return f"stream-rl.{run}.{name}"
+
+
+def read_topic(bootstrap: str, name: str, timeout: float = 30.0) -> list[tuple[int, int, bytes | None]]:
+    """(partition, offset, value) of every committed record, read to the current end."""
+    conf = {
+        "bootstrap.servers": bootstrap,
+        "group.id": "outside-reader",
+        "enable.auto.commit": False,
+        "isolation.level": "read_committed",
+        "log_level": 0,
+    }
+    consumer = ck.Consumer(conf)
+    try:
+        md = consumer.list_topics(name, timeout=10)
+        parts = sorted(md.topics[name].partitions)
+        ends = {p: consumer.get_watermark_offsets(ck.TopicPartition(name, p), timeout=10)[1] for p in parts}
+        wanted = [ck.TopicPartition(name, p, 0) for p in parts if ends[p] > 0]
+        if not wanted:
+            return []
+        consumer.assign(wanted)
+        out = []
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for m in consumer.consume(500, 0.5):
+                if m.error() is None and m.offset() < ends[m.partition()]:
+                    out.append((m.partition(), m.offset(), m.value()))
+            pos = {tp.partition: tp.offset for tp in consumer.position(wanted)}
+            if all(pos.get(p, -1) >= ends[p] for p in ends if ends[p] > 0):
+                return out
+        raise AssertionError(f"could not read {name} to its end in {timeout}s")
+    finally:
+        consumer.close()
+
+
+def committed(bootstrap: str, group: str, name: str) -> dict[int, int]:
+    """The committed offsets of a consumer group on a topic (-1: none)."""
+    consumer = ck.Consumer({"bootstrap.servers": bootstrap, "group.id": group, "log_level": 0})
+    try:
+        parts = sorted(consumer.list_topics(name, timeout=10).topics[name].partitions)
+        res = consumer.committed([ck.TopicPartition(name, p) for p in parts], timeout=10)
+        return {r.partition: r.offset for r in res}
+    finally:
+        consumer.close()

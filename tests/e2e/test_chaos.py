@@ -1,0 +1,252 @@
+"""Chaos: one short run through the launcher (`launcher.restart: true`) on its own broker, during
+which every stage is SIGKILLed in turn (actor, verifier, preprocessor, trainer, inference
+server) and the broker is bounced three times (down, up). Then the outside view (`outside.py`:
+the topics decoded with the .avsc files and fastavro alone) counts loss, duplicates, lag and
+coverage. Before the outage handling, a bounce hung a run for good in 2 of 4 runs (a fenced
+static consumer went silent) or crashed stages; three bounces in one run catch that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import confluent_kafka as ck
+import pytest
+import yaml
+from outside import Decoder, committed, read_topic, topic
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+RUN = f"chaos{os.getpid()}"
+GROUP = 4
+PROBLEMS = 24
+STEP = 16
+MAX_STEPS = 14
+MAX_LAG = 1
+# (version reached, action): kills spread over the run, three bounces between them.
+PLAN = [
+    (2, "bounce"),
+    (3, "actor-0"),
+    (4, "verifier-0"),
+    (5, "bounce"),
+    (7, "preprocessor-0"),
+    (8, "trainer"),
+    (10, "bounce"),
+    (11, "server-0"),
+]
+
+
+def _versions(consumer: ck.Consumer, decoder: Decoder, seen: dict[int, dict[str, Any]]) -> int:
+    for m in consumer.consume(100, 0.5):
+        if m.error() is None and m.value():
+            _name, wv = decoder.decode(m.value())
+            seen.setdefault(wv["version"], wv)
+    return max(seen, default=-1)
+
+
+def _up(broker: Any) -> None:
+    """Start the broker again; on a starved machine a restart can miss the 60 s readiness wait."""
+    from stream_rl.errors import BrokerError
+
+    for attempt in range(3):
+        try:
+            broker.up(quiet=True)
+            return
+        except BrokerError:
+            if attempt == 2:
+                raise
+
+
+@pytest.fixture(scope="module")
+def chaos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from stream_rl.inference.model_maker import make_model
+    from stream_rl.kafka.broker import LocalBroker, free_port
+
+    tmp = tmp_path_factory.mktemp("chaos")
+    model = make_model(tmp / "tiny", "tiny", seed=0)
+    broker = LocalBroker(tmp / "kafka", port=free_port())
+    bootstrap = broker.up(quiet=True).bootstrap
+    cfg = {
+        "run": RUN,
+        "runs_dir": str(tmp / "runs"),
+        "model": {"path": str(model)},
+        "kafka": {"bootstrap": bootstrap, "partitions": 2},
+        "task": {"name": "arithmetic", "params": {"num_problems": PROBLEMS}},
+        "loader": {"epochs": 20},
+        "actor": {"group_size": GROUP, "max_lag": MAX_LAG, "sampling": {"max_tokens": 4}},
+        "inference": {"num_servers": 1, "base_port": free_port(), "max_batch": 32},
+        "trainer": {"samples_per_step": STEP, "max_steps": MAX_STEPS, "bucket_mb": 1, "checkpoint_every": 2},
+        # 6 restarts: a stage whose transactional producer wedges after a bounce (see README) is restarted.
+        "launcher": {"restart": True, "max_restarts": 6, "max_wall_s": 400, "stall_timeout_s": 90},
+    }
+    path = tmp / "chaos.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    log = open(tmp / "launcher.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stream_rl.cli", "run", str(path)],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    decoder = Decoder()
+    seen: dict[int, dict[str, Any]] = {}
+    done: list[str] = []
+    run_dir = tmp / "runs" / RUN
+    reader = ck.Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": "chaos-watch",
+            "log_level": 0,
+            "enable.auto.commit": False,
+        }
+    )
+    try:
+        deadline = time.monotonic() + 420
+        plan = list(PLAN)
+        assigned = False
+        while proc.poll() is None and time.monotonic() < deadline:
+            if not assigned:
+                try:
+                    reader.assign([ck.TopicPartition(topic(RUN, "weight-versions"), 0, 0)])
+                    assigned = True
+                except ck.KafkaException:
+                    time.sleep(1)
+                    continue
+            version = _versions(reader, decoder, seen)
+            if plan and version >= plan[0][0]:
+                _at, action = plan.pop(0)
+                if action == "bounce":
+                    broker.down(quiet=True)
+                    time.sleep(1)
+                    _up(broker)
+                else:
+                    pid = json.loads((run_dir / "processes.json").read_text())["pids"][action]
+                    os.kill(pid, signal.SIGKILL)
+                done.append(f"{action}@{version}")
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(60)
+    finally:
+        reader.close()
+        log.close()
+        if proc.poll() is None:
+            proc.kill()
+    out = (tmp / "launcher.log").read_text(errors="replace")
+    data: dict[str, Any] = {"rc": proc.returncode, "log": out, "done": done, "plan": PLAN}
+    try:
+        for name in ("problems", "problems.dlq", "raw-rollouts", "scored", "scored.dlq", "training-batches"):
+            data[name] = [
+                (p, o, decoder.decode(v)[1] if v else None)
+                for p, o, v in read_topic(bootstrap, topic(RUN, name))
+            ]
+        data["weight-versions"] = [
+            decoder.decode(v)[1] for _p, _o, v in read_topic(bootstrap, topic(RUN, "weight-versions")) if v
+        ]
+        for group, name in (("actor", "problems"), ("verifier", "raw-rollouts"), ("preprocessor", "scored")):
+            data[f"committed.{group}"] = committed(bootstrap, f"stream-rl.{RUN}.{group}", topic(RUN, name))
+    finally:
+        broker.down(quiet=True)
+    return data
+
+
+def _trained(data: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
+    """(weights version that trained it, sample) of every sample the final lineage consumed."""
+    versions = {}
+    for wv in data["weight-versions"]:
+        versions.setdefault(wv["version"], wv)
+    bounds = sorted((v, sum(o["offset"] for o in wv["consumed_offsets"])) for v, wv in versions.items())
+    out = []
+    for _p, offset, batch in data["training-batches"]:
+        if batch is None:
+            continue
+        step = next((v for v, end in bounds if offset < end), None)
+        if step is not None:
+            out.extend((step - 1, s) for s in batch["samples"])
+    return out
+
+
+def test_the_run_finished_through_every_kill_and_bounce(chaos: dict[str, Any]) -> None:
+    assert chaos["rc"] == 0, chaos["log"][-4000:]
+    assert len(chaos["done"]) == len(PLAN), (chaos["done"], chaos["log"][-3000:])
+    for child in ("actor-0", "verifier-0", "preprocessor-0", "trainer", "server-0"):
+        assert f"restarting {child}" in chaos["log"], child
+    versions = sorted({wv["version"] for wv in chaos["weight-versions"]})
+    assert versions == list(range(MAX_STEPS + 1)), "versions 0..max_steps, gapless"
+
+
+def test_nothing_lost(chaos: dict[str, Any]) -> None:
+    # Actor: every committed problem has its whole group in raw-rollouts, or is in problems.dlq.
+    rollouts: dict[str, set[int]] = defaultdict(set)
+    for _p, _o, r in chaos["raw-rollouts"]:
+        rollouts[r["group_id"]].add(r["sample_index"])
+    dlq = {(p["problem_id"], p["epoch"]) for _p, _o, p in chaos["problems.dlq"] if p}
+    for part, offset, problem in chaos["problems"]:
+        if offset < chaos["committed.actor"].get(part, -1):
+            gid = f"{problem['problem_id']}.e{problem['epoch']}"
+            assert rollouts[gid] == set(range(GROUP)) or (problem["problem_id"], problem["epoch"]) in dlq, gid
+    # Verifier: every committed rollout is scored.
+    scored = {s["rollout"]["rollout_id"] for _p, _o, s in chaos["scored"]}
+    for part, offset, r in chaos["raw-rollouts"]:
+        if offset < chaos["committed.verifier"].get(part, -1):
+            assert r["rollout_id"] in scored
+    # Preprocessor: every committed scored group reached training-batches whole, or its DLQ.
+    batched: dict[str, set[str]] = defaultdict(set)
+    for _p, _o, b in chaos["training-batches"]:
+        for s in (b or {}).get("samples", []):
+            batched[s["group_id"]].add(s["rollout_id"])
+    dead = {s["rollout"]["group_id"] for _p, _o, s in chaos["scored.dlq"] if s}
+    for part, offset, s in chaos["scored"]:
+        gid = s["rollout"]["group_id"]
+        if offset < chaos["committed.preprocessor"].get(part, -1):
+            assert len(batched[gid]) == GROUP or gid in dead, gid
+
+
+def test_no_sample_trained_twice_and_groups_whole(chaos: dict[str, Any]) -> None:
+    ids = [s["rollout_id"] for _p, _o, b in chaos["training-batches"] if b for s in b["samples"]]
+    assert len(ids) == len(set(ids)), "a sample reached training-batches twice"
+    trained = [s["rollout_id"] for _v, s in _trained(chaos)]
+    assert len(trained) >= MAX_STEPS * STEP
+    assert len(trained) == len(set(trained)), "a sample was trained twice"
+    sizes = Counter(s["group_id"] for _p, _o, b in chaos["training-batches"] if b for s in b["samples"])
+    assert set(sizes.values()) == {GROUP}
+
+
+@pytest.mark.xfail(
+    reason="issue 15 item 2 (the lead's): a restarted server serves its initial weights and its samples "
+    "are trained far beyond max_lag until the trainer re-joins it",
+    strict=False,
+)
+def test_every_trained_sample_within_the_lag_bound(chaos: dict[str, Any]) -> None:
+    lags = [
+        v - min(sp["version"] for sp in s["version_spans"]) for v, s in _trained(chaos) if s["version_spans"]
+    ]
+    # max_lag is an admission bound: a group overtaken downstream can train at max_lag + 1.
+    assert max(lags) <= MAX_LAG + 1, Counter(lags)
+
+
+def test_epochs_stay_balanced(chaos: dict[str, Any]) -> None:
+    """Problems are taken in plan order, epoch after epoch (issue 15 item 4: before, the actor
+    drained one partition, all its epochs, first). Groups in flight together can finish out of
+    order, so along the trained sequence the counts per problem differ by at most 2 (1 + that)."""
+    order: list[str] = []
+    for _v, s in _trained(chaos):
+        if s["group_id"] not in order:
+            order.append(s["group_id"])
+    assert len(order) >= PROBLEMS
+    counts: Counter[str] = Counter()
+    problems = {g.rsplit(".e", 1)[0] for g in order}
+    assert len(problems) == PROBLEMS, "every problem was trained"
+    for gid in order:
+        counts[gid.rsplit(".e", 1)[0]] += 1
+        low = min(counts.get(p, 0) for p in problems)
+        assert max(counts.values()) - low <= 2, (gid, counts)

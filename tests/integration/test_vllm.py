@@ -1,0 +1,295 @@
+"""A real vLLM server (vLLM's CPU build, started with the launcher's flags) and what RL needs of it:
+the official `openai` client unchanged; token ids, logprobs at the sampling temperature and exact
+version spans through our client; in-flight updates through the `stream_rl_gloo` plugin in the
+middle of a long generation; a trainer that dies mid-update; the admin guard.
+
+The tests share one server (tests/vllm_fixture.py); each push uses a new version number, and each
+test pushes the weights it checks against, so the order of the tests does not matter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from stream_rl.config import SamplingConfig
+from stream_rl.contracts import VersionSpan
+from stream_rl.errors import BadRequestError
+from stream_rl.inference.vllm_client import VLLMClient
+from stream_rl.weights.adapters.vllm import PAUSE_MODES, VLLMWeightSender
+from stream_rl.weights.client import ServerEndpoint
+
+# The first test may wait for the session's vLLM server to start (minutes on a busy machine).
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.vllm,
+    pytest.mark.timeout(int(os.environ.get("STREAM_RL_VLLM_TIMEOUT", "1200"))),
+]
+
+HERE = Path(__file__).resolve().parent
+_versions = iter(range(100, 10_000))
+
+
+def next_version() -> int:
+    return next(_versions)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="module")
+def server(vllm_server: Any) -> Any:
+    return vllm_server
+
+
+@pytest.fixture(scope="module")
+def token() -> str:
+    from vllm_fixture import TOKEN
+
+    return TOKEN
+
+
+@pytest.fixture
+def sender(server: Any, token: str) -> Iterator[VLLMWeightSender]:
+    """A trainer joined to the server (each test its own: a join replaces the previous group)."""
+    s = VLLMWeightSender([ServerEndpoint(server.url, token)], timeout_s=30.0, bucket_bytes=1 << 16)
+    assert s.connect() == {}
+    yield s
+    s.close()
+
+
+def perturbed(model_dir: Path, seed: int, scale: float = 0.05) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return model.eval()
+
+
+def push(sender: VLLMWeightSender, version: int, model: torch.nn.Module, pause: str = "keep") -> None:
+    sender.pause_mode, sender.clear_cache = PAUSE_MODES[pause]
+    report = sender.push(version, list(model.named_parameters()), 1 << 16)
+    assert report.failed == {} and report.updated, report
+    assert report.per_server[sender.live_servers[0]]["stall_ms"] > 0
+
+
+def greedy(model: torch.nn.Module, prefix: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prefix]),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            top_k=None,
+            top_p=None,
+        )
+    return [int(t) for t in out[0, len(prefix) :]]
+
+
+def test_the_official_openai_client_works_unchanged(server: Any) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "12+30="}], n=2, max_tokens=6, logprobs=True
+    )
+    assert len(chat.choices) == 2
+    assert all(c.logprobs is not None and len(c.logprobs.content or []) >= 1 for c in chat.choices)
+    text = client.completions.create(model=model, prompt="12+30=", max_tokens=4)
+    assert text.choices[0].finish_reason in ("stop", "length")
+
+
+def test_client_reads_prompt_ids_logprobs_at_the_temperature_and_spans(
+    server: Any, sender: VLLMWeightSender
+) -> None:
+    version = next_version()
+    model = perturbed(server.model, seed=1)
+    push(sender, version, model)
+    messages = [{"role": "user", "content": "23+45="}]
+    temperature = 0.7
+    sampling = SamplingConfig(temperature=temperature, max_tokens=12)
+
+    async def sample() -> Any:
+        async with VLLMClient(server.url) as client:
+            return await client.complete_many(messages, sampling, n=4, seed=7), await client.version()
+
+    completions, held = run(sample())
+    assert held == version
+    tok = AutoTokenizer.from_pretrained(server.model)
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = tok.encode(text, add_special_tokens=False)
+    for c in completions:
+        assert c.prompt_token_ids == prompt
+        assert c.version_spans == [VersionSpan(version, 0)]
+        assert len(c.logprobs) == len(c.token_ids) >= 1
+        ids = torch.tensor([prompt + c.token_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].double() / temperature
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        assert torch.allclose(ref, torch.tensor(c.logprobs, dtype=torch.float64), atol=1e-4), (
+            ref,
+            c.logprobs,
+        )
+    again, _ = run(sample())
+    assert [c.token_ids for c in again] == [c.token_ids for c in completions]  # seeded
+
+
+async def _stream(
+    url: str, body: dict[str, Any], seen: list[int]
+) -> tuple[list[int], list[dict[str, Any]], str]:
+    """POST /inference/v1/generate with stream: true, as an outside client written from the README."""
+    versions: list[dict[str, Any]] = []
+    finish = ""
+    async with (
+        httpx.AsyncClient(timeout=120) as http,
+        http.stream("POST", f"{url}/inference/v1/generate", json={**body, "stream": True}) as response,
+    ):
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[len("data: ") :])["choices"]:
+                seen.extend(choice.get("token_ids") or [])
+                versions = choice.get("weight_versions") or versions
+                finish = choice.get("finish_reason") or finish
+    return list(seen), versions, finish
+
+
+def _render(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    # Rendered for streaming, so the sampling parameters ask for deltas (not only the final output).
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "logprobs": 0,
+        "stream": True,
+    }
+    rendered = httpx.post(f"{url}/v1/completions/render", json=body, timeout=30).json()[0]
+    rendered.pop("request_id")
+    return {**rendered, "output_mode": "tokens"}
+
+
+@pytest.mark.parametrize("pause", ["recompute", "keep"])
+def test_an_update_lands_in_the_middle_of_a_long_generation(
+    server: Any, sender: VLLMWeightSender, pause: str
+) -> None:
+    old_v, new_v = next_version(), next_version()
+    old, new = perturbed(server.model, seed=2), perturbed(server.model, seed=3)
+    push(sender, old_v, old)
+    prompt = [4, 57, 61, 49, 58, 59, 67, 1, 5]
+    length = 300
+    body = _render(server.url, prompt, length)
+
+    async def scenario() -> tuple[tuple[list[int], list[dict[str, Any]], str], list[Any]]:
+        seen: list[int] = []
+        stream = asyncio.create_task(_stream(server.url, body, seen))
+        async with VLLMClient(server.url) as client:
+            others = [
+                asyncio.create_task(client.complete_many(prompt, SamplingConfig(max_tokens=24), n=2, seed=i))
+                for i in range(3)
+            ]
+            while len(seen) < 40:
+                await asyncio.sleep(0.005)
+                assert not stream.done(), "the generation ended before the update"
+            await asyncio.to_thread(push, sender, new_v, new, pause)
+            return await stream, await asyncio.gather(*others)
+
+    (tokens, versions, finish), others = run(scenario())
+    assert finish == "length" and len(tokens) == length
+    assert [v["version"] for v in versions] == [str(old_v), str(new_v)], versions
+    swap = versions[1]["start"]
+    assert versions[0] == {"version": str(old_v), "start": 0, "end": swap}
+    assert 40 <= swap < length and versions[1]["end"] == length
+    assert tokens[:swap] == greedy(old, prompt, swap)
+    if pause == "recompute":  # the running sequence was recomputed with the new weights
+        assert tokens[swap:] == greedy(new, prompt + tokens[:swap], length - swap)
+    assert all(len(group) == 2 and all(c.token_ids for c in group) for group in others)  # none lost
+
+
+def test_a_trainer_killed_mid_update_leaves_a_usable_server(
+    server: Any, sender: VLLMWeightSender, token: str
+) -> None:
+    """Killed while the server is paused: the guard's lease resumes it; killed mid-broadcast: the
+    server's receive times out and nothing is installed. Either way the next trainer can push."""
+    from vllm_fixture import LEASE_S
+
+    before = next_version()
+    model = perturbed(server.model, seed=4)
+    push(sender, before, model)
+    sender.close()  # this trainer goes; the dying ones join in its place
+    for stage in ("paused", "broadcasting"):
+        child = subprocess.Popen(
+            [sys.executable, str(HERE / "vllm_dying_trainer.py"), server.url, token, stage],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            assert child.stdout is not None
+            assert child.stdout.readline().strip() == stage.upper()
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+        started = time.monotonic()
+
+        async def sample() -> Any:
+            async with VLLMClient(server.url, timeout_s=60) as client:
+                return await client.complete([4, 9, 13], SamplingConfig(max_tokens=4, temperature=0.0))
+
+        completion = run(sample())
+        assert time.monotonic() - started < LEASE_S + 15
+        assert completion.version_spans == [VersionSpan(before, 0)]  # nothing half-installed
+    after = next_version()
+    fresh = VLLMWeightSender([ServerEndpoint(server.url, token)], timeout_s=30.0, bucket_bytes=1 << 16)
+    try:
+        assert fresh.connect() == {}
+        new = perturbed(server.model, seed=5)
+        push(fresh, after, new)
+
+        async def check() -> Any:
+            async with VLLMClient(server.url) as client:
+                return await client.complete([4, 9, 13], SamplingConfig(max_tokens=8, temperature=0.0))
+
+        completion = run(check())
+        assert completion.version_spans == [VersionSpan(after, 0)]
+        assert completion.token_ids == greedy(new, [4, 9, 13], 8, ignore_eos=False)
+    finally:
+        fresh.close()
+
+
+def test_a_prompt_that_cannot_fit_is_a_bad_request(server: Any) -> None:
+    async def main() -> None:
+        async with VLLMClient(server.url) as client:
+            with pytest.raises(BadRequestError, match="maximum context length") as bad:
+                await client.complete([4] * 600, SamplingConfig(max_tokens=4))
+            assert bad.value.status == 400
+
+    run(main())
+
+
+def test_the_guard_wants_the_admin_token_on_weight_routes_only(server: Any, token: str) -> None:
+    anonymous = httpx.post(f"{server.url}/pause", timeout=10)
+    assert anonymous.status_code == 401 and "admin token" in anonymous.json()["error"]["message"]
+    wrong = httpx.get(f"{server.url}/is_paused", headers={"Authorization": "Bearer nope"}, timeout=10)
+    assert wrong.status_code == 401
+    ok = httpx.get(f"{server.url}/is_paused", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    assert ok.status_code == 200 and ok.json() == {"is_paused": False}
+    assert httpx.get(f"{server.url}/weight_info", timeout=10).status_code == 200  # the actor's
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200

@@ -1,0 +1,119 @@
+"""A real vLLM server (the CPU build in `.venv-vllm`, `make vllm`) for the tests, started with the
+launcher's own command line (`stream_rl.inference.servers.launch_for`).
+
+vLLM takes a minute or more to start on two cores, so `tests/conftest.py` starts the session's
+server as soon as collection shows a test that needs it, on a background thread, while the other
+tests run; the `vllm_server` fixture waits for it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+TOKEN = "vllm-test-token"
+LEASE_S = 6.0
+"""The test server's pause lease: short, so the dead-trainer test waits little."""
+
+
+def free_port() -> int:
+    from stream_rl.kafka.broker import free_port as _free_port
+
+    return _free_port()
+
+
+@dataclass
+class VLLMServer:
+    workdir: Path
+    url: str = ""
+    model: Path = Path()
+    proc: subprocess.Popen[bytes] | None = None
+    error: str | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+    started_s: float = 0.0
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / "vllm.log"
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def start_in_background(self) -> None:
+        threading.Thread(target=self._start, name="vllm-test-server", daemon=True).start()
+
+    def _start(self) -> None:
+        t0 = time.monotonic()
+        try:
+            if not VLLM_PYTHON.exists():
+                raise RuntimeError(f"{VLLM_PYTHON} is missing: run `make vllm` (make test does)")
+            from models import cached_model
+
+            from stream_rl.config import load_config
+            from stream_rl.inference.servers import launch_for
+
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            # The demo's model: a tiny Qwen2 warm-started on arithmetic (the e2e demo trains it).
+            self.model = cached_model("tiny", warm_start="arithmetic")
+            port = free_port()
+            config = load_config(
+                None,
+                [
+                    f"model.path={self.model}",
+                    "inference.engine=vllm",
+                    f"inference.base_port={port}",
+                    f"inference.vllm.python={VLLM_PYTHON}",
+                    "inference.vllm.max_model_len=512",
+                    f"inference.vllm.pause_lease_s={LEASE_S}",
+                ],
+            )
+            launch = launch_for(config, 0)
+            env = {**os.environ, **launch.env, "STREAM_RL_ADMIN_TOKEN": TOKEN}
+            with open(self.log, "wb") as log:
+                self.proc = subprocess.Popen(
+                    launch.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
+            self.url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + launch.startup_timeout_s
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.tail()}")
+                try:
+                    if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                        self.started_s = time.monotonic() - t0
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+            raise RuntimeError(f"vLLM not healthy after {launch.startup_timeout_s:.0f} s:\n{self.tail()}")
+        except Exception as exc:  # noqa: BLE001 (reported by the fixture that waits)
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.ready.set()
+
+    def wait(self, timeout_s: float = float(os.environ.get("STREAM_RL_VLLM_WAIT_S", "900"))) -> None:
+        if not self.ready.wait(timeout_s):
+            raise RuntimeError("the vLLM test server did not start in time")
+        if self.error is not None:
+            raise RuntimeError(self.error)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
