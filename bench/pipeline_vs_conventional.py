@@ -37,7 +37,8 @@ occupancy against time for the first run of each mode, and the lag distributions
 stays in runs/<run>/ (its probe samples in probe.jsonl).
 
     .venv/bin/python bench/pipeline_vs_conventional.py --config configs/long-cpu.yaml \
-        --max-steps 40 --target 0.5 --repeats 3 --pin-trainer-cpu 1 --name pvc_long    # README
+        --modes conventional,pipeline,pipeline-recompute,pipeline-no-inflight --repeats 2 \
+        --max-steps 10 --pin-trainer-cpu 1 --target 0.3 --max-wall 700 --name long-cpu   # README (~30 min)
 """
 
 from __future__ import annotations

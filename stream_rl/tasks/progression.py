@@ -123,7 +123,7 @@ class ProgressionTask(Task):
     # somewhere. A cosine decay: at a constant 3e-3 the loss climbed back after ~250 steps
     # (0.23 -> 0.28 at 500) and the model never learned to stop. Measured with the tiny preset,
     # 600 steps, 5.5 min on a quiet core: loss 0.215, accuracy on 64 problems 0.50 sampled and
-    # 0.875 greedy; in a long-cpu run (max_terms 160) the first steps' reward is 0.19-0.27.
+    # 0.875 greedy; in a long-cpu run (max_terms 160) the first step scores 0.14-0.17.
     warm_start = WarmStartDefaults(
         steps=600, batch_tokens=4096, lr=3e-3, label_smoothing=0.02, min_lr_ratio=0.1
     )
