@@ -106,8 +106,8 @@ def test_warm_start_smoke(tmp_path: Path) -> None:
 
     out = make_model(tmp_path / "m", "tiny", seed=0)
     params = {"num_problems": 64, "median_terms": 4, "sigma": 0.3, "min_terms": 2, "max_terms": 8}
-    first = warm_start(out, "progression", params, steps=1, batch_tokens=512, eval_size=8, progress=False)
-    report = warm_start(out, "progression", params, steps=20, batch_tokens=512, eval_size=8, progress=False)
+    first = warm_start(out, "progression", params, steps=1, batch_tokens=256, eval_size=4, progress=False)
+    report = warm_start(out, "progression", params, steps=6, batch_tokens=256, eval_size=4, progress=False)
     assert report.final_loss < first.final_loss
     assert report.label_smoothing == 0.02  # the task's default
     assert 0.0 <= report.sampled_accuracy <= 1.0 and 0.0 <= report.greedy_accuracy <= 1.0
