@@ -1,7 +1,8 @@
 """Sender -> receiver over real gloo groups, between real processes, through the HTTP contract.
 
 The servers are `tests/fakes/weight_server.py` processes (the real `WeightReceiver` behind the
-`/weights/*` endpoints); the trainer side runs in the test process. No Kafka, hence `unit`.
+`/weights/*` endpoints); the trainer side runs in the test process. No Kafka, but real processes
+and real torch.distributed groups, hence `integration`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch import nn
 from stream_rl.errors import WeightSyncError
 from stream_rl.weights import ServerEndpoint, TensorMeta, WeightSender, weights_checksum
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration
 
 FAKES = Path(__file__).parent.parent / "fakes"
 
