@@ -63,6 +63,15 @@ def hf_greedy(model, prefix: list[int], new: int, past=None) -> list[int]:  # ty
     return out[0, len(prefix) :].tolist()
 
 
+@pytest.fixture(scope="module")
+def reference(model_dir: Path, weights):  # type: ignore[no-untyped-def]
+    """(old model, new model, the old weights' greedy tokens up to the swap, the new weights'
+    greedy continuation of the prompt and those tokens), shared by both policies' tests."""
+    old_model, new_model = model_with(model_dir, weights[0]), model_with(model_dir, weights[1])
+    before = hf_greedy(old_model, PROMPT, SWAP_AT + 1)
+    return old_model, new_model, before, hf_greedy(new_model, PROMPT + before, LONG - SWAP_AT - 1)
+
+
 def swap_mid_sequence(model_dir: Path, weights, policy: str):  # type: ignore[no-untyped-def]
     """A 300-token greedy sequence with the weights swapped after SWAP_AT decode steps, beside a
     short request that finishes before the swap; returns the long sequence and its engine."""
@@ -86,15 +95,15 @@ def swap_mid_sequence(model_dir: Path, weights, policy: str):  # type: ignore[no
     return future.result().sequences[0], engine
 
 
-def test_swap_in_a_long_sequence_keeps_the_old_kv(model_dir: Path, weights) -> None:  # type: ignore[no-untyped-def]
+def test_swap_in_a_long_sequence_keeps_the_old_kv(model_dir: Path, weights, reference) -> None:  # type: ignore[no-untyped-def]
     seq, _ = swap_mid_sequence(model_dir, weights, "keep")
     # Prefill sampled token 0, each of the SWAP_AT decode steps one more: the swap took effect
     # at token SWAP_AT + 1, exactly where the spans say.
     k = SWAP_AT + 1
     assert seq.version_spans == [VersionSpan(0, 0), VersionSpan(1, k)]
     assert len(seq.token_ids) == LONG and seq.finish_reason == "length"
-    old_model, new_model = model_with(model_dir, weights[0]), model_with(model_dir, weights[1])
-    assert seq.token_ids[:k] == hf_greedy(old_model, PROMPT, k)
+    old_model, new_model, before, recomputed = reference
+    assert seq.token_ids[:k] == before
     # Keep: positions before the swap hold the OLD weights' keys and values (the last old token
     # is fed, and cached, by the new weights); the new weights decode on top of that cache.
     cache = DynamicCache(config=old_model.config)
@@ -103,18 +112,18 @@ def test_swap_in_a_long_sequence_keeps_the_old_kv(model_dir: Path, weights) -> N
     after = hf_greedy(new_model, PROMPT + seq.token_ids[:k], LONG - k, past=cache)
     assert seq.token_ids[k:] == after
     # ...which differs from what a recomputed cache would give: the policy is observable.
-    assert seq.token_ids[k:] != hf_greedy(new_model, PROMPT + seq.token_ids[:k], LONG - k)
+    assert seq.token_ids[k:] != recomputed
 
 
-def test_swap_in_a_long_sequence_with_recompute(model_dir: Path, weights) -> None:  # type: ignore[no-untyped-def]
+def test_swap_in_a_long_sequence_with_recompute(model_dir: Path, weights, reference) -> None:  # type: ignore[no-untyped-def]
     seq, engine = swap_mid_sequence(model_dir, weights, "recompute")
     k = SWAP_AT + 1
     assert seq.version_spans == [VersionSpan(0, 0), VersionSpan(1, k)]
-    old_model, new_model = model_with(model_dir, weights[0]), model_with(model_dir, weights[1])
-    assert seq.token_ids[:k] == hf_greedy(old_model, PROMPT, k)
+    _, _, before, recomputed = reference
+    assert seq.token_ids[:k] == before
     # Recompute: every token after the swap is the new weights' greedy continuation of the whole
     # prefix, as if the new weights had produced the cache.
-    assert seq.token_ids[k:] == hf_greedy(new_model, PROMPT + seq.token_ids[:k], LONG - k)
+    assert seq.token_ids[k:] == recomputed
     assert engine.version == 1
 
 
