@@ -5,6 +5,8 @@ gradients equal a float64 reference computed sample by sample without packing.""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
 import random
 from pathlib import Path
 
@@ -122,3 +124,23 @@ def test_a_sample_longer_than_the_micro_batch_budget_is_trained_once(model_dir: 
     assert summary.acc.tokens == sum(len(s.input_ids) for s in batch)
     assert summary.acc.loss_sum == pytest.approx(ref_loss, rel=1e-5, abs=1e-4)
     assert summary.metrics["tokens"] == sum(sum(s.loss_mask) for s in batch)
+
+
+def test_a_non_finite_pass_is_dropped_and_the_others_train(model_dir: Path) -> None:
+    """The long sample's pass has a NaN loss (NaN advantages): that pass alone is left out of the
+    gradients and the result (`finite` False), the micro-batch's other passes train as usual."""
+    batch = samples()
+    poisoned = [
+        dataclasses.replace(s, advantages=[math.nan] * len(s.advantages)) if s.rollout_id == "long.s0" else s
+        for s in batch
+    ]
+    t = trainer(model_dir)
+    result = t.micro_batch(poisoned)
+    rest = [s for s in batch if s.rollout_id != "long.s0"]
+    ref_loss, ref_grads = reference(model_dir, rest)
+    assert not result.finite
+    assert result.loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-4)
+    assert result.real_tokens == sum(len(s.input_ids) for s in rest)
+    for name, p in t.model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert torch.allclose(p.grad.double(), ref_grads[name], rtol=1e-3, atol=1e-5), name
