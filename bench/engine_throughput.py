@@ -5,10 +5,13 @@ from the full distribution (top_k=0, top_p=1) and ignore eos, so the useful work
 sum(max_tokens). `generate()` runs the requests in arrival order in static batches of
 `--batch` (left-padded, each batch decoding to its longest max_tokens; tokens past a request's
 max_tokens are wasted); the engine keeps up to `--batch` sequences running and refills slots as
-requests finish. Workloads: `mixed` (prompt and completion lengths vary) and `uniform` (every
-request alike: measures per-step overhead alone).
+requests finish. Workloads: `mixed` (prompt and completion lengths vary, 8-128 tokens),
+`uniform` (every request alike: measures per-step overhead alone) and `long` (the long task's
+completion lengths: `progression`'s seed-0 draw, 16 to 1,024 tokens, median 84, behind its
+28-token chat prompts; static batches then wait for their longest request).
 
     .venv/bin/python bench/engine_throughput.py [--model DIR] [--requests 256] [--repeats 3]
+    .venv/bin/python bench/engine_throughput.py --workloads long --requests 128    # README
     python bench/engine_throughput.py --device cuda --dtype bfloat16 --preset large   # a GPU
 
 Prints a table and writes bench/results/engine_throughput.json.
@@ -34,8 +37,18 @@ from stream_rl.inference.sequence import SamplingParams
 RESULTS = Path(__file__).parent / "results" / "engine_throughput.json"
 
 
+def long_lengths(requests: int) -> list[int]:
+    """Completion tokens of the long task's first `requests` problems (seed 0)."""
+    from stream_rl.tasks import get_task
+
+    problems = get_task("progression", {"num_problems": requests}).load_problems("bench", 0)
+    return [len(p.answer or "") + 1 for p in problems]
+
+
 def workload(kind: str, requests: int, vocab: tuple[int, int], seed: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
+    if kind == "long":
+        return [([rng.randrange(*vocab) for _ in range(28)], n) for n in long_lengths(requests)]
     out = []
     for _ in range(requests):
         if kind == "mixed":
@@ -90,17 +103,29 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--workloads", default="mixed,uniform,long", help="comma-separated: mixed, uniform, long"
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--out", default=str(RESULTS), help="results file")
+    parser.add_argument(
+        "--out", default=None, help="results file (default bench/results/engine_throughput.json)"
+    )
+    parser.add_argument("--name", default=None, help="bench/results/<name>.json (instead of --out)")
     args = parser.parse_args()
+    kinds = [k.strip() for k in args.workloads.split(",") if k.strip()]
+    if unknown := set(kinds) - {"mixed", "uniform", "long"}:
+        parser.error(f"unknown workload(s) {sorted(unknown)}")
+    if args.out and args.name:
+        parser.error("--out and --name are alternatives")
+    results = Path(args.out) if args.out else RESULTS.with_name(f"{args.name or RESULTS.stem}.json")
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or make_model(Path(tmp) / args.preset, args.preset)
         engine = Engine.load(path, device=args.device, dtype=args.dtype, max_batch=args.batch, seed=0).start()
         vocab = (6, 6 + 95)  # printable bytes of the preset tokenizer; any ids work for a random model
         rows = []
-        for kind in ("mixed", "uniform"):
+        for kind in kinds:
             work = workload(kind, args.requests, vocab, seed=0)
             useful = sum(m for _, m in work)
             run_static(engine, work[: args.batch // 4], args.batch)  # warm-up
@@ -121,6 +146,10 @@ def main() -> None:
                     "static_generate_tokens_per_s": round(static_tps),
                     "engine_tokens_per_s": round(engine_tps),
                     "ratio": round(engine_tps / static_tps, 2),
+                    "max_tokens": {
+                        "median": statistics.median(m for _, m in work),
+                        "max": max(m for _, m in work),
+                    },
                     "static_s": [round(s, 3) for s in static_s],
                     "engine_s": [round(s, 3) for s in engine_s],
                 }
@@ -143,10 +172,9 @@ def main() -> None:
             f"| {r['workload']} | {r['requests']} | {r['useful_tokens']} | {r['static_generate_tokens_per_s']} "
             f"| {r['engine_tokens_per_s']} | {r['ratio']}x |"
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({**meta, "results": rows}, indent=2) + "\n")
-    print(f"wrote {out}")
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps({**meta, "results": rows}, indent=2) + "\n")
+    print(f"wrote {results}")
 
 
 if __name__ == "__main__":

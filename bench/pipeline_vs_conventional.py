@@ -6,9 +6,13 @@ real launcher (`stream-rl run CONFIG --set ...`, its own local broker on a free 
   change only between batches);
 - `pipeline`: `mode: pipeline` with in-flight weight updates (the servers swap weights between
   two decode steps, running sequences included);
+- `pipeline-recompute`: in-flight updates with `inference.kv_policy: recompute` (the servers
+  rebuild the running sequences' KV cache under the new weights at each swap);
 - `pipeline-no-inflight`: `mode: pipeline`, `in_flight_updates: false` (the servers hold new
   sequences, let the running ones finish on the old weights, then swap), to isolate what
-  in-flight updates buy.
+  in-flight updates buy;
+- `pipeline-guard` (an ablation, not run by default): pipeline with `actor.straggler_guard: true`,
+  for configs that turn it off.
 
 Per run it reports, over the training window (from the publication of version 0 to that of the
 last version, so start-up, identical in every mode, is left out): wall time until the centred
@@ -16,16 +20,25 @@ moving mean (over `--window` versions) of the trained samples' reward reaches `-
 generated samples/s and tokens/s, the trainer's busy fraction (forward/backward/optimizer time
 over the window; broadcasts apart), the inference engine's idle fraction (its decode loop's
 busy seconds), version lag (mean, max), ESS (mean, min), the final reward, and the CPU each
-stage used (`bench/run_probe.py`). Then the ratios conventional / pipeline.
+stage used (`bench/run_probe.py`), the engine's batch occupancy (running sequences / max batch,
+from the servers' `/metrics`) and the per-sample version-lag distribution. Then per mode the
+medians over repeats with their min-max, and the ratios against pipeline. Repeats rotate the
+order of the modes (repeat r starts with the r-th mode), so no mode always runs first or last
+on a machine whose load drifts.
 
     .venv/bin/python bench/pipeline_vs_conventional.py                       # the comparison (~30 min)
     .venv/bin/python bench/pipeline_vs_conventional.py --max-steps 10 --target 0.3   # smoke (~5 min)
     .venv/bin/python bench/pipeline_vs_conventional.py --repeats 2 --set trainer.samples_per_step=64
     .venv/bin/python bench/pipeline_vs_conventional.py --analyze-only        # re-read the last runs
 
-Writes bench/results/<name>.json, <name>.md (the per-mode table) and <name>.png (reward against wall time and
-against samples trained, every mode on one plot); each run stays in runs/<run>/ (its probe
-samples in probe.jsonl).
+Writes bench/results/<name>.json, <name>.md (the per-mode table), <name>.png (reward against wall
+time and against samples trained, every mode on one plot) and <name>_occupancy.png (batch
+occupancy against time for the first run of each mode, and the lag distributions); each run
+stays in runs/<run>/ (its probe samples in probe.jsonl).
+
+    .venv/bin/python bench/pipeline_vs_conventional.py --config configs/long-cpu.yaml \
+        --modes conventional,pipeline,pipeline-recompute,pipeline-no-inflight --repeats 2 \
+        --max-steps 10 --pin-trainer-cpu 1 --target 0.3 --max-wall 700 --name long-cpu   # README (~30 min)
 """
 
 from __future__ import annotations
@@ -54,10 +67,21 @@ from stream_rl.report import load_timeline
 RESULTS = Path(__file__).parent / "results"
 MODES: dict[str, list[str]] = {
     "conventional": ["mode=conventional"],
-    "pipeline": ["mode=pipeline", "in_flight_updates=true"],
+    "pipeline": ["mode=pipeline", "in_flight_updates=true", "inference.kv_policy=keep"],
+    "pipeline-recompute": ["mode=pipeline", "in_flight_updates=true", "inference.kv_policy=recompute"],
     "pipeline-no-inflight": ["mode=pipeline", "in_flight_updates=false"],
+    # an ablation for configs that turn the guard off: pipeline with the admission window held by
+    # generating stragglers (stream_rl/stages/admission.py)
+    "pipeline-guard": ["mode=pipeline", "in_flight_updates=true", "actor.straggler_guard=true"],
 }
-COLOURS = {"conventional": "tab:red", "pipeline": "tab:blue", "pipeline-no-inflight": "tab:green"}
+DEFAULT_MODES = ["conventional", "pipeline", "pipeline-no-inflight"]
+COLOURS = {
+    "conventional": "tab:red",
+    "pipeline": "tab:blue",
+    "pipeline-recompute": "tab:purple",
+    "pipeline-no-inflight": "tab:green",
+    "pipeline-guard": "tab:orange",
+}
 
 
 def machine_load(seconds: float = 3.0) -> dict[str, Any]:
@@ -164,6 +188,12 @@ def median(runs: list[dict[str, Any]], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
+def spread(runs: list[dict[str, Any]], key: str) -> list[float] | None:
+    """[min, max] over the runs that have the figure."""
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return [min(values), max(values)] if values else None
+
+
 def aggregate(runs: list[dict[str, Any]], target: float) -> dict[str, Any]:
     """Per mode: medians over repeats; ratios conventional / pipeline (and the third mode)."""
     modes: dict[str, Any] = {}
@@ -171,12 +201,19 @@ def aggregate(runs: list[dict[str, Any]], target: float) -> dict[str, Any]:
         "time_to_target_s", "final_reward", "window_s", "trained_samples_per_s", "generated_samples_per_s",
         "generated_tokens_per_s", "trainer_busy", "trainer_broadcast", "inference_idle", "step_s_mean",
         "version_lag_mean", "version_lag_token_mean", "ess_mean", "samples_at_target", "other_work_cores",
-        "samples_per_cpu_s", "cpu_s_to_target",
+        "samples_per_cpu_s", "cpu_s_to_target", "occupancy", "lag_p50", "lag_p90", "lag_p99",
+        "version_lag_last_mean",
     ]  # fmt: skip
     for mode in MODES:
         of = [r for r in runs if r["mode"] == mode and "error" not in r]
         if of:
             modes[mode] = {k: median(of, k) for k in keys}
+            modes[mode]["range"] = {k: spread(of, k) for k in keys}
+            counts: dict[str, int] = {}
+            for r in of:
+                for lag, n in r.get("lag_counts", {}).items():
+                    counts[lag] = counts.get(lag, 0) + n
+            modes[mode]["lag_counts"] = dict(sorted(counts.items(), key=lambda kv: int(kv[0])))
             modes[mode]["version_lag_max"] = max((r["version_lag_max"] or 0) for r in of)
             modes[mode]["ess_min"] = min((r["ess_min"] for r in of if r["ess_min"] is not None), default=None)
             modes[mode]["reached_target"] = sum(r["time_to_target_s"] is not None for r in of)
@@ -187,6 +224,12 @@ def aggregate(runs: list[dict[str, Any]], target: float) -> dict[str, Any]:
         return x / y if x is not None and y else None
 
     ratios = {
+        "time_to_target_pipeline_over_conventional": ratio("pipeline", "conventional", "time_to_target_s"),
+        "time_to_target_pipeline_over_no_inflight": ratio(
+            "pipeline", "pipeline-no-inflight", "time_to_target_s"
+        ),
+        "time_to_target_recompute_over_pipeline": ratio("pipeline-recompute", "pipeline", "time_to_target_s"),
+        "occupancy_pipeline_over_conventional": ratio("pipeline", "conventional", "occupancy"),
         "time_to_target_conventional_over_pipeline": ratio("conventional", "pipeline", "time_to_target_s"),
         "time_to_target_no_inflight_over_pipeline": ratio(
             "pipeline-no-inflight", "pipeline", "time_to_target_s"
@@ -205,9 +248,16 @@ def aggregate(runs: list[dict[str, Any]], target: float) -> dict[str, Any]:
     }
     p = modes.get("pipeline", {})
     conv_over_pipe = ratios["time_to_target_conventional_over_pipeline"]
+
+    def at_most(value: float | None, limit: float) -> bool:
+        return value is not None and value <= limit
+
     goal = {
         "pipeline_time_fraction": 1 / conv_over_pipe if conv_over_pipe else None,
         "time_ok": bool(conv_over_pipe and 1 / conv_over_pipe <= 0.55),
+        "inflight_ok": at_most(ratios["time_to_target_pipeline_over_no_inflight"], 0.8),
+        "samples_ok": at_most(ratios["samples_to_target_pipeline_over_conventional"], 1.15),
+        "occupancy_ok": p.get("occupancy") is not None and p["occupancy"] >= 0.9,
         "max_lag_ok": p.get("version_lag_max") is not None and p["version_lag_max"] <= 2,
         "ess_ok": p.get("ess_mean") is not None and p["ess_mean"] >= 0.9,
     }
@@ -218,7 +268,7 @@ def print_tables(runs: list[dict[str, Any]], agg: dict[str, Any]) -> None:
     head = (
         f"{'mode':<21}{'rep':>4}{'to target s':>12}{'final R':>9}{'samples/s':>10}{'gen tok/s':>10}"
         f"{'trainer busy':>13}{'infer idle':>11}{'lag mean/max':>13}{'ESS mean/min':>14}{'window s':>9}"
-        f"{'samples/CPU-s':>14}{'CPU-s to tgt':>13}"
+        f"{'samples/CPU-s':>14}{'CPU-s to tgt':>13}{'occupancy':>10}{'lag p50/p90/p99':>16}"
     )
     print("\n" + head + "\n" + "-" * len(head))
     for r in runs:
@@ -232,6 +282,8 @@ def print_tables(runs: list[dict[str, Any]], agg: dict[str, Any]) -> None:
             f"{fmt(r['version_lag_mean']) + '/' + fmt(r['version_lag_max'], '.0f'):>13}"
             f"{fmt(r['ess_mean'], '.3f') + '/' + fmt(r['ess_min'], '.2f'):>14}{fmt(r['window_s'], '.0f'):>9}"
             f"{fmt(r.get('samples_per_cpu_s'), '.1f'):>14}{fmt(r.get('cpu_s_to_target'), '.0f'):>13}"
+            f"{fmt(r.get('occupancy')):>10}"
+            f"{fmt(r.get('lag_p50'), '.0f') + '/' + fmt(r.get('lag_p90'), '.0f') + '/' + fmt(r.get('lag_p99'), '.0f'):>16}"
         )
     print("\nCPU cores used over the training window, per stage (and by other work on the machine):")
     roles = sorted({k for r in runs if "cpu_cores" in r for k in r["cpu_cores"]})
@@ -244,36 +296,59 @@ def print_tables(runs: list[dict[str, Any]], agg: dict[str, Any]) -> None:
     for name, value in agg["ratios"].items():
         print(f"{name:<48} {fmt(value)}")
     g = agg["goal"]
+    r = agg["ratios"]
+
+    def ok(flag: bool) -> str:
+        return "ok" if flag else "not met"
+
     print(
-        f"goal: pipeline time <= 0.55 x conventional: {fmt(g['pipeline_time_fraction'])} "
-        f"({'ok' if g['time_ok'] else 'not met'}); max lag <= 2: {'ok' if g['max_lag_ok'] else 'not met'}; "
-        f"ESS >= 0.9: {'ok' if g['ess_ok'] else 'not met'}"
+        f"goals: time to target pipeline / conventional <= 0.55: {fmt(g['pipeline_time_fraction'])} "
+        f"({ok(g['time_ok'])}); pipeline / no-inflight <= 0.8: "
+        f"{fmt(r['time_to_target_pipeline_over_no_inflight'])} ({ok(g['inflight_ok'])}); samples to target "
+        f"pipeline / conventional <= 1.15: {fmt(r['samples_to_target_pipeline_over_conventional'])} "
+        f"({ok(g['samples_ok'])}); pipeline occupancy >= 0.9: "
+        f"{fmt(agg['modes'].get('pipeline', {}).get('occupancy'))} ({ok(g['occupancy_ok'])}); "
+        f"max lag <= 2: {ok(g['max_lag_ok'])}; ESS >= 0.9: {ok(g['ess_ok'])}"
     )
 
 
+def cell(m: dict[str, Any], key: str, spec: str) -> str:
+    """`median (min-max)` of a mode's figure."""
+    value, span = m.get(key), m.get("range", {}).get(key)
+    if value is None:
+        return "-"
+    if not span or m.get("runs", 1) < 2 or format(span[0], spec) == format(span[1], spec):
+        return fmt(value, spec)
+    return f"{fmt(value, spec)} ({fmt(span[0], spec)}–{fmt(span[1], spec)})"
+
+
 def markdown(agg: dict[str, Any]) -> str:
-    """The per-mode medians and the ratios as a Markdown table (for the README)."""
+    """The per-mode medians (min–max over repeats) and the ratios as Markdown (for the README)."""
     rows = [
         "| mode | runs | time to target (s) | samples to target | final reward | trained samples/s "
-        "| generated tokens/s | trainer busy | inference idle | version lag mean / max | ESS mean / min |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| generated tokens/s | engine occupancy | trainer busy | inference idle | version lag mean / max "
+        "| lag p50 / p90 / p99 | ESS mean / min |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, m in agg["modes"].items():
         rows.append(
-            f"| {mode} | {m['runs']} | {fmt(m['time_to_target_s'], '.1f')} | {fmt(m['samples_at_target'], '.0f')} "
-            f"| {fmt(m['final_reward'])} | {fmt(m['trained_samples_per_s'], '.0f')} "
-            f"| {fmt(m['generated_tokens_per_s'], '.0f')} | {fmt(m['trainer_busy'])} | {fmt(m['inference_idle'])} "
+            f"| {mode} | {m['runs']} | {cell(m, 'time_to_target_s', '.1f')} | {cell(m, 'samples_at_target', '.0f')} "
+            f"| {cell(m, 'final_reward', '.2f')} | {cell(m, 'trained_samples_per_s', '.1f')} "
+            f"| {cell(m, 'generated_tokens_per_s', '.0f')} | {cell(m, 'occupancy', '.2f')} "
+            f"| {fmt(m['trainer_busy'])} | {fmt(m['inference_idle'])} "
             f"| {fmt(m['version_lag_mean'])} / {fmt(m['version_lag_max'], '.0f')} "
+            f"| {fmt(m['lag_p50'], '.0f')} / {fmt(m['lag_p90'], '.0f')} / {fmt(m['lag_p99'], '.0f')} "
             f"| {fmt(m['ess_mean'], '.3f')} / {fmt(m['ess_min'], '.2f')} |"
         )
     r = agg["ratios"]
     rows += [
         "",
-        f"Medians over repeats. Time to target, conventional / pipeline: "
-        f"**{fmt(r['time_to_target_conventional_over_pipeline'])}×** (pipeline-no-inflight / pipeline: "
-        f"{fmt(r['time_to_target_no_inflight_over_pipeline'])}×); trained samples/s, pipeline / conventional: "
-        f"{fmt(r['throughput_pipeline_over_conventional'])}×; samples to target, pipeline / conventional: "
-        f"{fmt(r['samples_to_target_pipeline_over_conventional'])}×.",
+        f"Medians over repeats (min–max in brackets). Time to target, pipeline / conventional: "
+        f"**{fmt(r['time_to_target_pipeline_over_conventional'])}×**; pipeline / pipeline-no-inflight: "
+        f"**{fmt(r['time_to_target_pipeline_over_no_inflight'])}×**; pipeline-recompute / pipeline: "
+        f"{fmt(r['time_to_target_recompute_over_pipeline'])}×; samples to target, pipeline / conventional: "
+        f"{fmt(r['samples_to_target_pipeline_over_conventional'])}×; trained samples/s, pipeline / "
+        f"conventional: {fmt(r['throughput_pipeline_over_conventional'])}×.",
     ]
     return "\n".join(rows) + "\n"
 
@@ -313,6 +388,61 @@ def plot(runs: list[dict[str, Any]], target: float, window: int, path: Path) -> 
     plt.close(fig)
 
 
+def plot_occupancy(runs: list[dict[str, Any]], path: Path) -> None:
+    """Batch occupancy against time for the first run of each mode, and each mode's per-sample
+    version-lag distribution (all its runs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (occ, lags) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [2, 1]})
+    shown: set[str] = set()
+    counts: dict[str, dict[int, int]] = {}
+    for r in runs:
+        if "error" in r:
+            continue
+        for lag, n in r.get("lag_counts", {}).items():
+            counts.setdefault(r["mode"], {})[int(lag)] = counts.get(r["mode"], {}).get(int(lag), 0) + n
+        if r["mode"] in shown or not r.get("occupancy_series"):
+            continue
+        shown.add(r["mode"])
+        ts = [p["t"] for p in r["occupancy_series"]]
+        ys = [p["occupancy"] for p in r["occupancy_series"]]
+        label = f"{r['mode']} (run {r['repeat']}, mean {fmt(r.get('occupancy'))})"
+        occ.plot(ts, ys, "-", color=COLOURS[r["mode"]], lw=1.0, label=label)
+    occ.set(
+        xlabel="wall time since version 0 (s)",
+        ylabel="running sequences / max batch (1 s means)",
+        title="engine batch occupancy",
+        ylim=(0, 1.05),
+    )
+    occ.legend(fontsize=8, loc="lower right")
+    occ.grid(alpha=0.3)
+    width = 0.8 / max(len(counts), 1)
+    for i, (mode, by_lag) in enumerate(counts.items()):
+        total = sum(by_lag.values()) or 1
+        xs = sorted(by_lag)
+        lags.bar(
+            [x + i * width for x in xs],
+            [by_lag[x] / total for x in xs],
+            width,
+            color=COLOURS[mode],
+            label=mode,
+        )
+    lags.set(
+        xlabel="version lag of a trained sample (oldest span)",
+        ylabel="share of samples",
+        title="lag distribution",
+    )
+    lags.legend(fontsize=8)
+    lags.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds through run_one's `finally`: the launcher is stopped
 
@@ -326,8 +456,10 @@ def main() -> int:
     ap.add_argument("--max-steps", type=int, default=100, help="optimizer steps of every run (same samples)")
     ap.add_argument("--target", type=float, default=0.8, help="target reward (centred moving mean)")
     ap.add_argument("--window", type=int, default=5, help="versions in the reward's moving mean")
-    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, run in this order")
-    ap.add_argument("--repeats", type=int, default=1, help="runs per mode (the order reverses each repeat)")
+    ap.add_argument(
+        "--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {', '.join(MODES)}"
+    )
+    ap.add_argument("--repeats", type=int, default=1, help="runs per mode (the order rotates each repeat)")
     ap.add_argument("--max-wall", type=float, default=3600.0, help="stop a run after this many seconds")
     ap.add_argument("--probe-every", type=float, default=1.0, help="probe sampling period (s)")
     ap.add_argument(
@@ -362,7 +494,8 @@ def main() -> int:
         print(f"load before: {load_before}", flush=True)
         runs = []
         for repeat in range(1, args.repeats + 1):
-            order = modes if repeat % 2 else modes[::-1]
+            shift = (repeat - 1) % len(modes)
+            order = modes[shift:] + modes[:shift]
             runs += [run_one(args, mode, repeat, stamp, epochs) for mode in order]
         load_after = machine_load()
         print(f"load after: {load_after}", flush=True)
@@ -385,7 +518,9 @@ def main() -> int:
     out_md = out_json.with_suffix(".md")
     out_md.write_text(markdown(result))
     plot(result["runs"], args.target, args.window, out_png)
-    print(f"\nwrote {out_json}, {out_md} and {out_png}")
+    out_occupancy = out_png.with_name(f"{args.name}_occupancy.png")
+    plot_occupancy(result["runs"], out_occupancy)
+    print(f"\nwrote {out_json}, {out_md}, {out_png} and {out_occupancy}")
     return 0 if all(r.get("rc") == 0 for r in result["runs"]) else 1
 
 

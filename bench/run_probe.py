@@ -6,7 +6,10 @@ finished run into figures. Linux only (reads /proc).
   that started it (`runs/<run>/processes.json` names them; a verifier's scoring workers count as
   the verifier), plus the launcher itself and the Kafka broker;
 - the machine's busy CPU seconds (/proc/stat), so `machine - ours` is what other work took;
-- each inference server's `/metrics` counters: `busy_seconds` (engine working), generated tokens.
+- each inference server's `/metrics`: `busy_seconds` (engine working), generated tokens, and the
+  batch occupancy figures (`running` sequences and `max_batch` slots at the sample, and the
+  `sequence_seconds` integral, whose rate over `max_batch` is the mean occupancy between samples),
+  summed over the servers.
 With `pin_trainer` it also pins CPUs, to stand in for PipelineRL's separate devices: every thread
 of the trainer to those CPUs, every thread of the inference servers to the remaining ones. The
 host-side work (actor, verifier, preprocessor, loader, the broker) stays unpinned, as CPU work
@@ -37,7 +40,12 @@ SERVER_COUNTERS = {
     "stream_rl_inference_busy_seconds_total": "busy_s",
     "stream_rl_inference_generated_tokens_total": "generated_tokens",
     "stream_rl_inference_finished_requests_total": "finished_requests",
+    "stream_rl_inference_sequence_seconds_total": "sequence_s",
+    "stream_rl_inference_running": "running",
+    "stream_rl_inference_max_batch": "max_batch",
 }
+LAG_KEY = "version_lag_n"
+"""Per-version counts of samples by lag (`stream_rl/train/step_runner.py`)."""
 
 
 def role_of(name: str) -> str:
@@ -275,6 +283,8 @@ def analyze(
     tokens = delta(server["generated_tokens"], t0, end)
     out["inference_idle"] = 1 - busy / span if busy is not None else None
     out["generated_tokens_per_s"] = tokens / span if tokens is not None else None
+    out.update(occupancy(samples, t0, end))
+    out.update(lag_distribution(updates))
     roles = sorted({k for s in samples for k in s["cpu"]})
     cpu = {r: delta([(s["t"], s["cpu"].get(r, 0.0)) for s in samples], t0, end) for r in roles}
     out["cpu_cores"] = {r: round(v / span, 3) for r, v in cpu.items() if v is not None}
@@ -290,4 +300,48 @@ def analyze(
     if machine is not None:
         out["machine_cores_busy"] = machine / span
         out["other_work_cores"] = max(0.0, machine / span - sum(out["cpu_cores"].values()))
+    return out
+
+
+def occupancy(samples: list[dict[str, Any]], t0: float, end: float) -> dict[str, Any]:
+    """Engine batch occupancy (running sequences / max batch) over [t0, end]: the mean from the
+    servers' `sequence_seconds` integral, and the series of per-interval means (time since t0)."""
+    rows = [s for s in samples if "sequence_s" in s["server"] and s["server"].get("max_batch")]
+    if len(rows) < 2:
+        return {"occupancy": None, "occupancy_series": []}
+    slots = rows[-1]["server"]["max_batch"]
+    integral = delta([(s["t"], s["server"]["sequence_s"]) for s in rows], t0, end)
+    series = []
+    for a, b in zip(rows, rows[1:], strict=False):
+        if a["t"] >= t0 and b["t"] <= end and b["t"] > a["t"]:
+            rate = (b["server"]["sequence_s"] - a["server"]["sequence_s"]) / (b["t"] - a["t"])
+            series.append({"t": round(b["t"] - t0, 2), "occupancy": round(rate / slots, 4)})
+    mean = integral / (end - t0) / slots if integral is not None and end > t0 else None
+    return {"occupancy": mean, "occupancy_series": series, "max_batch": slots}
+
+
+def lag_distribution(updates: list[dict[str, Any]]) -> dict[str, Any]:
+    """Trained samples by version lag (oldest span), summed over the run's versions, and its
+    quantiles; the last-token lag's mean and max."""
+    counts: dict[int, int] = {}
+    for v in updates:
+        for key, value in v.items():
+            if key.startswith(LAG_KEY) and key[len(LAG_KEY) :].isdigit():
+                lag = int(key[len(LAG_KEY) :])
+                counts[lag] = counts.get(lag, 0) + int(value)
+    total = sum(counts.values())
+    out: dict[str, Any] = {"lag_counts": {str(k): counts[k] for k in sorted(counts)}}
+    for name, q in (("lag_p50", 0.5), ("lag_p90", 0.9), ("lag_p99", 0.99)):
+        seen, value = 0, None
+        for lag in sorted(counts):
+            seen += counts[lag]
+            if seen >= q * total:
+                value = lag
+                break
+        out[name] = value
+    last = [float(v["version_lag_last_mean"]) for v in updates if "version_lag_last_mean" in v]
+    out["version_lag_last_mean"] = statistics.fmean(last) if last else None
+    out["version_lag_last_max"] = max(
+        (float(v["version_lag_last_max"]) for v in updates if "version_lag_last_max" in v), default=None
+    )
     return out

@@ -349,6 +349,12 @@ class ActorConfig(Model):
     max_lag: int = Field(2, ge=0)
     """Admission bound: samples admitted but not trained stay under max_lag optimizer steps' worth
     (plus the step being filled). Ignored in conventional mode."""
+    straggler_guard: bool = True
+    """While a group admitted earlier is still generating, the admission window does not move past
+    it, so every token is trained at most max_lag versions after it was sampled (long, variable
+    completions then idle the servers while a straggler finishes). False: PipelineRL's admission,
+    the window moves with the trainer and bounds the lag of each sample's last tokens; a
+    straggler's first tokens can be older (stream_rl/stages/admission.py)."""
     concurrency_per_server: int = Field(64, ge=1)
     """Maximum requests in flight per inference server."""
     request_timeout_s: float = Field(120.0, gt=0)

@@ -5,6 +5,12 @@ end and samples each one's first token; `decode()` feeds every running sequence 
 and samples the next; `retire()` removes finished ones and moves the tail into the holes so the
 batch stays compact; `recompute()` rebuilds every slot's KV under the current weights. Every
 sampled token is tagged with the `version` passed in (sequence.py records the spans).
+
+Prefill forwards are bounded by `prefill_tokens` padded tokens (rows x longest row): prompts and
+recomputed sequences are grouped by length so that one long sequence does not pad a whole
+group to its length, and a single row longer than the budget is written in chunks of
+`prefill_tokens` (kv.py `prepare_extend`), so a long multi-turn context never needs a
+`length x length` attention matrix.
 """
 
 from __future__ import annotations
@@ -78,9 +84,12 @@ class Batch:
         return out.logits[:, -1]
 
     def _prefill_rows(self, rows: list[list[int]], slots: list[int]) -> torch.Tensor:
-        """Run token rows (right-padded) into `slots` from position 0; logits at each row's end."""
+        """Run token rows (right-padded) into `slots` from position 0; logits at each row's end.
+        The caller keeps `len(rows) x longest` within `prefill_tokens` unless there is one row."""
         device = self.device
         length = max(len(r) for r in rows)
+        if len(rows) == 1 and length > self.prefill_tokens:
+            return self._prefill_chunked(rows[0], slots[0])
         ids = torch.zeros((len(rows), length), dtype=torch.long)
         for i, row in enumerate(rows):
             ids[i, : len(row)] = torch.tensor(row)
@@ -90,6 +99,21 @@ class Batch:
         self.cache.prepare_prefill(torch.tensor(slots, device=device), length)
         positions = torch.arange(length, device=device)[None].expand(len(rows), length)
         return self._forward(ids.to(device), positions, causal, logits_to_keep=last)
+
+    def _prefill_chunked(self, row: list[int], slot: int) -> torch.Tensor:
+        """Run one long row into `slot` in chunks of `prefill_tokens`; logits at its last token."""
+        device = self.device
+        chunk = self.prefill_tokens
+        logits = torch.empty(0)
+        for start in range(0, len(row), chunk):
+            piece = row[start : start + chunk]
+            end = start + len(piece)
+            positions = torch.arange(start, end, device=device)
+            mask = (torch.arange(end, device=device)[None, :] <= positions[:, None])[None, None]
+            self.cache.prepare_extend(slot, start, len(piece))
+            ids = torch.tensor([piece], device=device)
+            logits = self._forward(ids, positions[None], mask, logits_to_keep=1)
+        return logits
 
     def prefill(self, requests: list[Request], version: int) -> int:
         """Add the requests' sequences (n each) and sample their first tokens; returns tokens sampled."""
@@ -144,13 +168,15 @@ class Batch:
         return len(running)
 
     def recompute(self) -> None:
-        """Rebuild every running sequence's KV under the current weights (kv_policy=recompute)."""
+        """Rebuild every running sequence's KV under the current weights (kv_policy=recompute):
+        slots grouped by length, each group's padded size within `prefill_tokens`."""
         group: list[int] = []
-        for i in range(len(self.running)):
-            group.append(i)
-            if sum(self.running[j].cache_len for j in group) >= self.prefill_tokens:
+        for i in sorted(range(len(self.running)), key=lambda i: self.running[i].cache_len):
+            length = self.running[i].cache_len  # ascending: the newest row is the group's longest
+            if group and length * (len(group) + 1) > self.prefill_tokens:
                 self._refill(group)
                 group = []
+            group.append(i)
         if group:
             self._refill(group)
 

@@ -60,6 +60,11 @@ class EngineStopped(InferenceError):
     """The engine's loop is not running (stopped, or failed): the server answers 503."""
 
 
+class ContextLengthError(InferenceError):
+    """The prompt plus `max_tokens` exceed the engine's maximum sequence length (a 400: the
+    request can never fit; vLLM refuses it the same way)."""
+
+
 @dataclass(frozen=True)
 class SwapResult:
     version: int
@@ -79,6 +84,17 @@ class EngineStats:
     alive: bool
     busy_s: float
     """Seconds spent in `step()` since the engine was built (decoding, prefilling, swapping)."""
+    max_batch: int = 0
+    """Sequences the engine decodes together at most (its KV slots)."""
+    sequence_s: float = 0.0
+    """Integral of the running sequences over time (sequence-seconds): over any interval,
+    `Δsequence_s / (Δt · max_batch)` is the mean batch occupancy, idle time counting as empty."""
+    kv_cache_bytes: int = 0
+    """Bytes of KV cache allocated now (every slot at the current capacity)."""
+    kv_cache_max_bytes: int = 0
+    """Bytes it grows to when a sequence reaches `max_len` (every slot at full length)."""
+    max_len: int = 0
+    """Longest sequence (prompt + completion) the engine holds."""
 
 
 @dataclass
@@ -149,6 +165,7 @@ class Engine:
         self._finished = 0
         self._steps = 0
         self._busy_s = 0.0
+        self._sequence_s = 0.0
         self._rate: collections.deque[tuple[float, int]] = collections.deque()
 
     @classmethod
@@ -213,8 +230,14 @@ class Engine:
         if params.n > self.max_batch:
             raise InferenceError(f"n={params.n} exceeds the server's max batch ({self.max_batch})")
         if len(prompt) >= self.max_len:
-            raise InferenceError(
+            raise ContextLengthError(
                 f"the prompt has {len(prompt)} tokens; the model's maximum is {self.max_len - 1}"
+            )
+        if len(prompt) + params.max_tokens > self.max_len:
+            raise ContextLengthError(
+                f"the request needs {len(prompt)} prompt + {params.max_tokens} completion tokens, more "
+                f"than the model's maximum length of {self.max_len}: ask for at most "
+                f"max_tokens={self.max_len - len(prompt)}, or shorten the prompt"
             )
         vocab = self.model.get_input_embeddings().num_embeddings
         if min(prompt) < 0 or max(prompt) >= vocab:
@@ -269,6 +292,11 @@ class Engine:
                 tokens_per_s=rate,
                 alive=self.alive,
                 busy_s=self._busy_s,
+                max_batch=self.max_batch,
+                sequence_s=self._sequence_s,
+                kv_cache_bytes=self.batch.cache.allocated_bytes(),
+                kv_cache_max_bytes=self.batch.cache.allocated_bytes(self.max_len),
+                max_len=self.max_len,
             )
 
     # -- the loop (engine thread) -----------------------------------------------------------------
@@ -295,13 +323,17 @@ class Engine:
         self._install_swap()
         self._admit()
         self._retire()  # sequences done after their first token (eos, max_tokens=1)
+        decoded = 0
         if self.batch.running:
-            self._generated += self.batch.decode(self.version)
+            decoded = self.batch.decode(self.version)
+            self._generated += decoded
             self._retire()
         self._steps += 1
         now = time.monotonic()
         with self._cond:
-            self._busy_s += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            self._busy_s += elapsed
+            self._sequence_s += decoded * elapsed
             self._rate.append((now, self._generated))
             while now - self._rate[0][0] > 5.0:
                 self._rate.popleft()

@@ -5,7 +5,13 @@ of the running batch lives in slot i (the batch is kept compact: when a sequence
 last one moves into its slot), its position p in `[i, :, p]`. A decode step writes each row's
 new key at that row's own position and attends over `[:batch, :, :max_len]` with a per-row
 length mask, so sequences of different lengths decode together without copying the cache.
-Capacity grows by doubling (one copy) up to the model's maximum length.
+Capacity grows by doubling (one copy) up to the model's maximum length; every slot has the same
+capacity, so memory is `slots x capacity` positions (`allocated_bytes()`: at most
+`slots x max_len`, which the server logs at start and exports as a gauge).
+
+A prompt longer than the prefill budget is written in chunks (`prepare_extend()`): each chunk's
+keys go to their positions and its queries attend to the slot's positions so far, so attention
+memory stays `chunk x length` instead of `length x length`.
 
 It plugs into any transformers model whose attention layers call `cache.update(k, v, layer_idx)`
 (the standard decoder-only models of transformers 5): set `prepare_prefill()` or
@@ -47,12 +53,26 @@ class SlotCache(Cache):
         self._rows: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
         self._attend_len = 0
+        self._start = 0
+        self._dims = (num_layers, slots, kv_heads, head_dim, torch.finfo(dtype).bits // 8)
+
+    def allocated_bytes(self, capacity: int | None = None) -> int:
+        """Bytes of keys and values at `capacity` positions per slot (default: the current one)."""
+        layers, slots, heads, dim, size = self._dims
+        return 2 * layers * slots * heads * (capacity or self.capacity) * dim * size
 
     # -- modes -------------------------------------------------------------------------------
     def prepare_prefill(self, slots: torch.Tensor, length: int) -> None:
         """Next forward: prompts (right-padded to `length`) written to positions 0.. of `slots`."""
         self.ensure_capacity(length)
         self._mode, self._slots = "prefill", slots
+
+    def prepare_extend(self, slot: int, start: int, length: int) -> None:
+        """Next forward: `length` tokens of one slot written at positions `start..`; queries attend
+        to positions `[0, start + length)` (the caller's mask makes it causal)."""
+        self.ensure_capacity(start + length)
+        self._mode, self._slots, self._start = "extend", torch.tensor([slot]), start
+        self._attend_len = start + length
 
     def prepare_decode(self, positions: torch.Tensor, attend_len: int) -> None:
         """Next forward: one token per row of slots 0..B-1, written at `positions[row]`;
@@ -73,6 +93,12 @@ class SlotCache(Cache):
             values[self._rows, :, self._positions] = value_states[:, :, 0]
             batch = key_states.shape[0]
             return keys[:batch, :, : self._attend_len], values[:batch, :, : self._attend_len]
+        if self._mode == "extend":
+            assert self._slots is not None
+            slot, end = int(self._slots[0]), self._attend_len
+            keys[slot : slot + 1, :, self._start : end] = key_states
+            values[slot : slot + 1, :, self._start : end] = value_states
+            return keys[slot : slot + 1, :, :end], values[slot : slot + 1, :, :end]
         if self._mode == "prefill":
             # Causal attention over the prompt itself; store it (padding too: it sits beyond
             # each sequence's length and is overwritten as the sequence grows).

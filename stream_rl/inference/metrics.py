@@ -4,7 +4,11 @@ update completes.
 
 Series: `stream_rl_inference_running`, `_waiting` (sequences), `_tokens_per_second` (last ~5 s),
 `_generated_tokens_total`, `_finished_requests_total`, `_busy_seconds_total` (time the decode loop
-spent working: `1 - rate(busy)` is the engine's idle fraction), `_weight_version`, `_engine_up`,
+spent working: `1 - rate(busy)` is the engine's idle fraction), `_max_batch` (KV slots),
+`_sequence_seconds_total` (running sequences integrated over time: `rate(sequence_seconds) /
+max_batch` is the batch occupancy, the share of slots decoding), `_kv_cache_bytes` and
+`_kv_cache_max_bytes` (allocated now; at every slot full), `_max_len` (longest sequence),
+`_weight_version`, `_engine_up`,
 `_requests_total{endpoint,status}`, `_weight_update_receive_seconds`, `_weight_update_stall_seconds`,
 `_weight_updates_total{outcome}`.
 """
@@ -34,6 +38,20 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily(
             f"{PREFIX}_tokens_per_second", "Generated tokens/s over the last ~5 s", value=s.tokens_per_s
         )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_max_batch", "Sequences decoded together at most", value=s.max_batch
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_kv_cache_bytes", "KV cache bytes allocated (all slots)", value=s.kv_cache_bytes
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_kv_cache_max_bytes",
+            "KV cache bytes with every slot at the maximum length",
+            value=s.kv_cache_max_bytes,
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_max_len", "Longest sequence (prompt + completion)", value=s.max_len
+        )
         yield GaugeMetricFamily(f"{PREFIX}_weight_version", "Weight version in force", value=s.version)
         yield GaugeMetricFamily(f"{PREFIX}_engine_up", "1 while the decode loop runs", value=int(s.alive))
         yield CounterMetricFamily(f"{PREFIX}_generated_tokens", "Tokens generated", value=s.generated_tokens)
@@ -42,6 +60,11 @@ class _EngineCollector(Collector):
         )
         yield CounterMetricFamily(
             f"{PREFIX}_busy_seconds", "Seconds the decode loop spent working (not waiting)", value=s.busy_s
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_sequence_seconds",
+            "Running sequences integrated over time (rate / max_batch = batch occupancy)",
+            value=s.sequence_s,
         )
 
 

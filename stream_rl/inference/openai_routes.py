@@ -8,7 +8,9 @@ told) and tokenized without adding special tokens. With `logprobs: true` each
 `choices[i].logprobs.content[j]` has `token`, `logprob`, `bytes` and `top_logprobs`; `bytes`
 are the token's own bytes (for byte-level tokenizers, a piece of a multi-byte character).
 Without `max_tokens`, chat completions may run to the model's maximum length and completions
-stop after 16 tokens (OpenAI's defaults).
+stop after 16 tokens (OpenAI's defaults). A request whose prompt plus `max_tokens` exceed the
+model's maximum length (`max_model_len` in `GET /v1/models`) is refused with a 400 naming the
+largest `max_tokens` that fits, as vLLM does; nothing is truncated silently.
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Cha
     prompt = ctx.tokenizer.encode(text, add_special_tokens=False)
     top = (body.top_logprobs or 0) if body.logprobs else 0
     max_tokens = body.max_completion_tokens or body.max_tokens
-    params = body.sampling(max_tokens, ctx.engine.max_len, top)
+    # Without max_tokens a chat completion may run to the model's length (as in vLLM).
+    params = body.sampling(max_tokens, max(1, ctx.engine.max_len - len(prompt)), top)
     result = await _run(ctx, "chat", prompt, params)
     choices = [
         ChatChoice(

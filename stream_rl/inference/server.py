@@ -186,12 +186,15 @@ def run(
         tmp.write_text(f"{bound}\n")
         tmp.replace(port_file)  # atomic: a reader never sees a partial number
     logger.info(
-        "serving %s on http://%s:%d (device %s, max batch %d, kv policy %s, swap policy %s)",
+        "serving %s on http://%s:%d (device %s, max batch %d, max length %d, KV cache up to %.0f MiB, "
+        "kv policy %s, swap policy %s)",
         model.path,
         inference.host,
         bound,
         inference.device,
         inference.max_batch,
+        engine.max_len,
+        engine.stats().kv_cache_max_bytes / 2**20,
         inference.kv_policy,
         swap_policy,
     )

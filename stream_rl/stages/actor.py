@@ -111,7 +111,11 @@ class Actor:
         self.tokenizer = tokenizer
         self.sampler = Sampler(self.task, tokenizer, self.cfg.sampling, self.actor_id)
         self.admission = Admission.for_config(
-            config.mode, self.cfg.max_lag, config.trainer.samples_per_step, self.cfg.group_size
+            config.mode,
+            self.cfg.max_lag,
+            config.trainer.samples_per_step,
+            self.cfg.group_size,
+            straggler_guard=self.cfg.straggler_guard,
         )
         self.client_factory = client_factory
         self.tracker = OffsetTracker()

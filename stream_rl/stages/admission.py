@@ -39,6 +39,21 @@ not dropped); the trainer measures and reports every sample's lag (`version_lag_
 strict needs the actor to learn when a group is trained, or the trainer to take the oldest
 samples of its backlog first; neither is built.
 
+**Stragglers and `straggler_guard`.** With long, heavy-tailed completions one group can
+generate for many optimizer steps while the others finish in one (`bench/pipeline_vs_conventional.py
+--config configs/long-cpu.yaml`: up to ~10x). The guard (`actor.straggler_guard: true`, the
+default) is what the proof above needs: while that group generates, the window cannot move, so
+the servers decode it and the few groups admitted beside it, their other slots idle, until it
+ends. `straggler_guard: false` is PipelineRL's admission: the base is always R, the window moves
+with the trainer, and the servers stay full. What the bound then says: when a group finishes at
+version k' (its last tokens are sampled with weights >= k', in flight), A <= R_k' + B, so it is
+trained with weights <= k' + L: its **last** tokens' lag is at most L (up to the overtaking
+above), its first tokens' lag at most L + d for a group that generated through d versions, and
+the trainer reports both (`version_lag_max` from the oldest span, `version_lag_token_mean` per
+token). With in-flight updates most of a long sample's tokens are sampled by recent weights,
+which is the regime PipelineRL's paper measures. `tests/unit/test_admission.py` simulates a 10x
+straggler both ways.
+
 **Conventional** (`mode: conventional`): the same rule with L = 0 and B = S (a multiple of g, the
 config checks it). The actor admits exactly S samples; then `A = R + S` blocks admission until
 the trainer has consumed all of them, stepped and published version k + 1 (R only moves when a
@@ -54,7 +69,8 @@ overestimate, which only admits less). Exact
 for one actor. With N actors A is an estimate: the others' progress is up to `refresh_s` old,
 and two actors may admit in the same instant, so the in-flight samples can exceed B by up to
 (N − 1)·g for a while, and the lag bound (or conventional mode's exactness) holds only up to
-that overshoot.
+that overshoot. (`straggler_guard` makes no difference here: R moves only once every
+admitted sample, the straggler's included, has been trained.)
 """
 
 from __future__ import annotations
@@ -114,6 +130,8 @@ class Admission:
 
     group_size: int
     bound: int
+    straggler_guard: bool = True
+    """A group still generating holds the window's base at the R of its admission (see above)."""
     version: int | None = None
     resolved: int | None = None
     members: int = 1
@@ -125,8 +143,14 @@ class Admission:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def for_config(cls, mode: str, max_lag: int, samples_per_step: int, group_size: int) -> Admission:
-        return cls(group_size=group_size, bound=admission_bound(mode, max_lag, samples_per_step, group_size))
+    def for_config(
+        cls, mode: str, max_lag: int, samples_per_step: int, group_size: int, straggler_guard: bool = True
+    ) -> Admission:
+        return cls(
+            group_size=group_size,
+            bound=admission_bound(mode, max_lag, samples_per_step, group_size),
+            straggler_guard=straggler_guard,
+        )
 
     # -- inputs ----------------------------------------------------------------------------------
     def observe(self, wv: WeightVersion | None) -> None:
@@ -200,6 +224,8 @@ class Admission:
 
     def _base(self) -> int:
         assert self.resolved is not None
+        if not self.straggler_guard:
+            return self.resolved
         stragglers = [o.resolved_at_admission for o in self._open.values() if o.generating]
         return min([self.resolved, *stragglers])
 

@@ -43,6 +43,25 @@ FINISH_LENGTH = "length"
 
 
 @dataclass(frozen=True, slots=True)
+class WarmStartDefaults:
+    """A task's defaults for `make-model --warm-start` (stream_rl/warm_start.py); the command's
+    flags override them. Measured per task: the sampled accuracy RL starts from depends on them."""
+
+    steps: int = 800
+    """Supervised steps."""
+    batch_tokens: int = 0
+    """Tokens per step, examples packed into rows (0: `batch_size` examples, padded)."""
+    batch_size: int = 64
+    """Examples per step when `batch_tokens` is 0."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    label_smoothing: float = 0.35
+    """Probability share spread over the vocabulary: the higher, the noisier sampling."""
+    min_lr_ratio: float = 1.0
+    """The learning rate decays along a cosine to this share of `lr` (1.0: constant)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Scored:
     """The outcome of scoring one completion."""
 
@@ -117,6 +136,7 @@ class Task:
     name: ClassVar[str]
     Params: ClassVar[type[TaskParams]] = TaskParams
     multi_turn: ClassVar[bool] = False
+    warm_start: ClassVar[WarmStartDefaults] = WarmStartDefaults()
 
     def __init__(self, params: TaskParams, system_prompt: str | None = None) -> None:
         self.params = params

@@ -10,6 +10,12 @@ Layout:
   causal-LM masking (`find_packed_sequence_indices`, sdpa and eager alike) builds the
   block-diagonal causal mask from the restarts, so a sample never attends to another one or to
   padding. `tests/unit/test_rows.py` checks packed logprobs against unpacked ones.
+- A sample longer than `row_tokens` gets a forward pass of its own (`pack_forwards`): packed
+  with the others it would set every row's length, so the rows of short samples would be padded
+  to it and attention would cost `rows x longest^2`. Alone, it costs its own length and no
+  padding, and the short ones keep their `row_tokens` rows. Every sample is in exactly one pass;
+  the trainer sums the passes' losses (`stream_rl/train/step.py`), so the result is the loss of
+  the whole micro-batch.
 - Completion token t of a sample (`input_ids[prompt_len + t]`) is predicted by the hidden state
   of the position before it; `rows`/`cols` index those predicting positions, so the LM head runs
   on completion positions only. The flat per-token tensors (`labels`, `loss_mask`, ...) follow
@@ -87,6 +93,18 @@ def assign_rows(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
         rows[r].append(i)
         loads[r] += lengths[i]
     return [sorted(r) for r in rows if r]
+
+
+def pack_forwards(samples: Sequence[TrainingSample], row_tokens: int) -> list[tuple[PackedBatch, list[int]]]:
+    """The forward passes of a micro-batch, each with the indices of its samples (in the order
+    its flat tensors follow): each sample longer than `row_tokens` alone, in the order given,
+    then the others packed together (`pack_samples`). Every sample is in exactly one pass."""
+    if not samples:
+        raise ValueError("pack_forwards: no samples")
+    long = [[i] for i, s in enumerate(samples) if len(s.input_ids) > row_tokens]
+    short = [i for i, s in enumerate(samples) if len(s.input_ids) <= row_tokens]
+    parts = long + ([short] if short else [])
+    return [(pack_samples([samples[i] for i in part], row_tokens), part) for part in parts]
 
 
 def pack_samples(samples: Sequence[TrainingSample], row_tokens: int) -> PackedBatch:

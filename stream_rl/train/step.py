@@ -1,11 +1,13 @@
 """The model step of the trainer: micro-batch forward/backward and one AdamW step.
 
 Contract:
-- `PolicyTrainer.micro_batch(samples)` packs the samples (`stream_rl.train.rows`), recomputes
+- `PolicyTrainer.micro_batch(samples)` packs the samples (`stream_rl.train.rows`: rows of
+  `pack_row_tokens`, a longer sample in a forward pass of its own), recomputes
   the completion tokens' logprobs at the sampling temperature (`log_softmax(logits / T)` at the
   next-token labels; the LM head runs on completion positions only), and back-propagates the
-  *summed* policy loss (`stream_rl.rl.losses.policy_loss` with `num_sequences=1`). Gradients
-  accumulate across micro-batches.
+  *summed* policy loss (`stream_rl.rl.losses.policy_loss` with `num_sequences=1`), one backward
+  per forward pass, so the activations of one pass at a time are held. Gradients accumulate
+  across passes and micro-batches.
 - `PolicyTrainer.optimizer_step(num_sequences)` divides the accumulated gradients by the number
   of sequences trained in the step (so the step's loss is `sum over tokens / sequences`, as in
   PipelineRL), clips the gradient norm, steps AdamW and the warm-up + cosine schedule, and
@@ -39,7 +41,7 @@ from stream_rl.rl.losses import LossOutput, policy_loss
 from stream_rl.rl.schedule import make_lr_lambda
 from stream_rl.rl.stats import TokenStats
 from stream_rl.train.precision import MasterWeights
-from stream_rl.train.rows import PackedBatch, pack_samples
+from stream_rl.train.rows import PackedBatch, pack_forwards
 
 MASTER_WEIGHTS_FILE = "master_weights.pt"
 """Checkpoint file of the float32 master weights of a bf16 model (absent for float32 models)."""
@@ -96,7 +98,9 @@ class MicroResult:
     real_tokens: int
     padded_tokens: int
     finite: bool = True
-    """False: the loss was not finite and nothing was back-propagated (loss and stats are 0)."""
+    """False: a forward pass's loss was not finite and that pass was not back-propagated (its
+    loss, stats and tokens are left out of the fields above; the micro-batch's other passes,
+    if any, trained as usual). With one pass (the usual case) nothing was back-propagated."""
 
 
 @dataclass
@@ -232,32 +236,39 @@ class PolicyTrainer:
         )
 
     def logprobs(self, samples: list[TrainingSample]) -> torch.Tensor:
-        """Flat [N] logprobs of the samples' completion tokens at the sampling temperature (no grad)."""
-        packed = pack_samples(samples, self.cfg.pack_row_tokens)
+        """Flat [N] logprobs of the samples' completion tokens at the sampling temperature (no grad),
+        in sample order, then token order."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
         with torch.no_grad():
-            logits = completion_logits(self.model, packed, self.device)
-            return token_logprobs(logits, packed.labels.to(self.device), self.temperature).float()
+            for packed, part in pack_forwards(samples, self.cfg.pack_row_tokens):
+                logits = completion_logits(self.model, packed, self.device)
+                logp = token_logprobs(logits, packed.labels.to(self.device), self.temperature).float()
+                for i, piece in zip(part, logp.split([samples[i].completion_len for i in part]), strict=True):
+                    out[i] = piece
+        return torch.cat(out)
 
     def micro_batch(self, samples: list[TrainingSample]) -> MicroResult:
-        """Forward and backward one micro-batch; gradients accumulate until `optimizer_step`."""
-        packed = pack_samples(samples, self.cfg.pack_row_tokens)
-        logits = completion_logits(self.model, packed, self.device)
-        ref_logits = None
-        if self.ref_model is not None:
-            with torch.no_grad():
-                ref_logits = completion_logits(self.ref_model, packed, self.device)
-        out = micro_loss(self.cfg, self.temperature, logits, packed, ref_logits)
-        if not bool(torch.isfinite(out.loss.detach())):
-            # Nothing non-finite may reach the gradients: this micro-batch is dropped, counted.
-            return MicroResult(0.0, TokenStats(), packed.real_tokens, packed.padded_tokens, finite=False)
-        out.loss.backward()
-        self.precision.accumulate()
-        return MicroResult(
-            loss=float(out.loss.detach().item()),
-            stats=out.stats,
-            real_tokens=packed.real_tokens,
-            padded_tokens=packed.padded_tokens,
-        )
+        """Forward and backward one micro-batch (one backward per forward pass: a sample longer
+        than a row has a pass of its own); gradients accumulate until `optimizer_step`."""
+        loss, stats, real, padded, finite = 0.0, TokenStats(), 0, 0, True
+        for packed, _ in pack_forwards(samples, self.cfg.pack_row_tokens):
+            logits = completion_logits(self.model, packed, self.device)
+            ref_logits = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref_logits = completion_logits(self.ref_model, packed, self.device)
+            out = micro_loss(self.cfg, self.temperature, logits, packed, ref_logits)
+            if not bool(torch.isfinite(out.loss.detach())):
+                # Nothing non-finite may reach the gradients: this pass is dropped, counted.
+                finite = False
+                continue
+            out.loss.backward()
+            self.precision.accumulate()
+            loss += float(out.loss.detach().item())
+            stats = stats + out.stats
+            real += packed.real_tokens
+            padded += packed.padded_tokens
+        return MicroResult(loss=loss, stats=stats, real_tokens=real, padded_tokens=padded, finite=finite)
 
     def optimizer_step(self, num_sequences: int) -> StepOutcome:
         """Average the accumulated gradients over `num_sequences`, clip, step AdamW and the schedule."""

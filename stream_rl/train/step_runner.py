@@ -12,8 +12,12 @@ is not finite is skipped (`skipped_step`: weights and optimizer untouched, the s
 both are counted in the step's metrics, so they reach `WeightVersion.metrics` and the summary.
 
 Version lag of a sample: the version of the weights that score it (the trainer's current
-version) minus the oldest version that sampled any of its tokens (`version_lag_*`), and minus
-each token's version, averaged over tokens (`version_lag_token_mean`).
+version) minus the oldest version that sampled any of its tokens (`version_lag_*`), minus the
+version that sampled its last token (`version_lag_last_*`: with in-flight updates a long
+sample's tokens come from successive versions), and minus each token's version, averaged over
+tokens (`version_lag_token_mean`). `version_lag_n<k>` counts the step's samples at lag k (from
+the oldest span; `version_lag_n16` counts 16 and more), so the per-sample distribution of a run
+is the sum over its versions.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ from stream_rl.rl.stats import TokenStats
 from stream_rl.train.dedupe import TrainedIds
 from stream_rl.train.step import StepOutcome, TrainerBackend
 
+LAG_HISTOGRAM_MAX = 16
+"""`version_lag_n16` counts the samples at lag 16 or more."""
+
 
 @dataclass
 class StepAccumulator:
@@ -41,6 +48,8 @@ class StepAccumulator:
     reward_sum: float = 0.0
     lags: list[int] = field(default_factory=list)
     """Per trained sample: version - min sampling version."""
+    last_lags: list[int] = field(default_factory=list)
+    """Per trained sample: version - the version that sampled its last token."""
     lag_token_sum: int = 0
     lag_tokens: int = 0
     over_lag_bound: int = 0
@@ -134,6 +143,7 @@ class StepRunner:
             lag = sample_lag(s, version)
             if lag is not None:
                 lags.append(lag[0])
+                acc.last_lags.append(version - s.version_spans[-1].version)
                 acc.lag_token_sum += lag[1]
                 acc.lag_tokens += lag[2]
                 if self.lag_bound is not None and lag[0] > self.lag_bound:
@@ -155,8 +165,7 @@ class StepRunner:
         self._pending = []
         self._pending_tokens = 0
         if not result.finite:
-            acc.nonfinite_micro_batches += 1
-            return
+            acc.nonfinite_micro_batches += 1  # what it returns is from its finite passes only
         acc.loss_sum += result.loss
         acc.stats = acc.stats + result.stats
         acc.real_tokens += result.real_tokens
@@ -208,6 +217,11 @@ def step_metrics(acc: StepAccumulator, outcome: StepOutcome) -> dict[str, float]
     if acc.lags:
         out["version_lag_mean"] = sum(acc.lags) / len(acc.lags)
         out["version_lag_max"] = float(max(acc.lags))
+        out["version_lag_last_mean"] = sum(acc.last_lags) / len(acc.last_lags)
+        out["version_lag_last_max"] = float(max(acc.last_lags))
+        for lag in acc.lags:
+            key = f"version_lag_n{min(lag, LAG_HISTOGRAM_MAX)}"
+            out[key] = out.get(key, 0.0) + 1
     if acc.lag_tokens:
         out["version_lag_token_mean"] = acc.lag_token_sum / acc.lag_tokens
     out["samples_over_lag_bound"] = float(acc.over_lag_bound)

@@ -141,3 +141,48 @@ def test_simulated_pipeline_never_exceeds_max_lag(mode: str, max_lag: int) -> No
             adm.observe(version(v, consumed))
     expected = 0 if mode == "conventional" else max_lag
     assert v > 50 and max(lags) == expected
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_a_ten_times_longer_straggler(guard: bool) -> None:
+    """Groups generate in 4 ticks, one every 10 takes 40. With the guard every token is trained
+    within max_lag versions, but while a straggler generates the servers hold little else; without
+    it the servers stay full and the lag bound holds for each sample's last tokens, a straggler's
+    first tokens being older by the versions it generated through."""
+    S, g, L = 16, 4, 1
+    adm = Admission.for_config("pipeline", L, S, g, straggler_guard=guard)
+    v, consumed = 0, 0
+    adm.observe(version(0, 0))
+    generating: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (finish time, first version)
+    queue: list[tuple[int, int]] = []  # (first-token version, last-token version) per sample
+    next_offset = 0
+    first_lags, last_lags, busy = [], [], []
+    for t in range(2000):
+        while adm.can_admit():
+            key = (0, next_offset)
+            adm.admit(key)
+            generating[key] = (t + (40 if next_offset % 10 == 3 else 4), v)
+            next_offset += 1
+        busy.append(len(generating) * g)
+        for key, (done_at, first) in sorted(generating.items(), key=lambda kv: kv[1][0]):
+            if done_at <= t:
+                del generating[key]
+                adm.generated(key)
+                queue.extend([(first, v)] * g)
+        adm.on_commit({0: min(generating, default=(0, next_offset))[1]})
+        while len(queue) >= S:
+            batch, queue = queue[:S], queue[S:]
+            first_lags += [v - first for first, _ in batch]
+            last_lags += [v - last for _, last in batch]
+            consumed += S
+            v += 1
+            adm.observe(version(v, consumed))
+    occupancy = sum(busy) / len(busy) / admission_bound("pipeline", L, S, g)
+    if guard:
+        assert max(first_lags) == L
+        assert occupancy < 0.6  # the window waits on every straggler
+    else:
+        assert max(last_lags) == L and max(first_lags) > L
+        assert occupancy > 0.8  # the window moves on while stragglers generate
+        assert sum(lag > L for lag in first_lags) / len(first_lags) < 0.15  # stragglers only
+    assert v > 100

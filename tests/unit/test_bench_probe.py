@@ -71,7 +71,13 @@ def synthetic_run() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
                 "version_lag_mean": 0.5,
                 "version_lag_max": float(v % 3),
                 "ess": 0.9 + 0.01 * v,
+                "version_lag_n0": 32.0,
+                "version_lag_n1": 24.0 if v % 3 == 2 else 32.0,
+                "version_lag_last_mean": 0.25,
+                "version_lag_last_max": 1.0,
             }
+            if v % 3 == 2:
+                record["version_lag_n2"] = 8.0
         timeline.append(record)
         timeline.append({"t": t - 90.0, "kind": "offsets", "offsets": {"actor": 64 * v}})
         samples.append(
@@ -79,7 +85,14 @@ def synthetic_run() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
                 "t": t,
                 "cpu": {"trainer": 0.25 * v, "actor": 1.0 * v},
                 "machine_s": 3.0 * v,
-                "server": {"busy_s": 1.5 * v, "generated_tokens": 400.0 * v},
+                "server": {
+                    "busy_s": 1.5 * v,
+                    "generated_tokens": 400.0 * v,
+                    # 48 of 64 slots busy on average over the first half of the run, 64 after it
+                    "sequence_s": 2 * 48.0 * v if v <= 5 else 2 * 48.0 * 5 + 2 * 64.0 * (v - 5),
+                    "running": 48.0,
+                    "max_batch": 64.0,
+                },
             }
         )
     return timeline, samples
@@ -105,6 +118,18 @@ def test_analyze_figures_over_the_training_window(probe: ModuleType) -> None:
     assert r["samples_per_cpu_s"] == pytest.approx(640 / 12.5) and r["cpu_s_to_target"] == pytest.approx(6.25)
     assert r["machine_cores_busy"] == pytest.approx(1.5) and r["other_work_cores"] == pytest.approx(0.875)
     assert len(r["curve"]) == 10 and r["curve"][0] == {"t": 2.0, "version": 1, "samples": 64, "reward": 0.1}
+    # occupancy: sequence-seconds over the window / (20 s x 64 slots), and per probe interval
+    assert r["occupancy"] == pytest.approx((2 * 48 * 5 + 2 * 64 * 5) / 20 / 64)
+    assert r["max_batch"] == 64.0
+    series = r["occupancy_series"]
+    assert [p["t"] for p in series] == [2.0 * i for i in range(1, 11)]
+    assert [p["occupancy"] for p in series] == [0.75] * 5 + [1.0] * 5
+    # lag distribution: summed counts of the ten versions (64 samples each)
+    # per version 32 samples at lag 0, 32 at lag 1 except 8 of them at lag 2 when v % 3 == 2
+    assert r["lag_counts"] == {"0": 320, "1": 296, "2": 24}
+    assert sum(r["lag_counts"].values()) == 640
+    assert (r["lag_p50"], r["lag_p90"], r["lag_p99"]) == (0, 1, 2)
+    assert r["version_lag_last_mean"] == 0.25 and r["version_lag_last_max"] == 1.0
 
 
 def test_analyze_without_updates_says_so(probe: ModuleType) -> None:
@@ -146,13 +171,23 @@ def test_comparison_ratios_and_markdown(probe: ModuleType) -> None:
     base = probe.analyze(timeline, samples, target=0.5, window=3)
     runs = [
         {**base, "mode": "conventional", "repeat": 1, "time_to_target_s": 20.0, "version_lag_max": 0},
-        {**base, "mode": "pipeline", "repeat": 1, "time_to_target_s": 10.0},
+        {**base, "mode": "pipeline", "repeat": 1, "time_to_target_s": 10.0, "occupancy": 0.8},
         {**base, "mode": "pipeline", "repeat": 2, "time_to_target_s": 12.0, "version_lag_max": 3.0},
+        {**base, "mode": "pipeline-no-inflight", "repeat": 1, "time_to_target_s": 16.0},
     ]
     agg = pvc.aggregate(runs, target=0.5)
-    assert agg["modes"]["pipeline"]["time_to_target_s"] == pytest.approx(11.0)  # median of repeats
-    assert agg["ratios"]["time_to_target_conventional_over_pipeline"] == pytest.approx(20 / 11)
-    assert agg["goal"]["time_ok"] and not agg["goal"]["max_lag_ok"]  # 11/20 <= 0.55; a lag of 3 > 2
+    pipe = agg["modes"]["pipeline"]
+    assert pipe["time_to_target_s"] == pytest.approx(11.0) and pipe["range"]["time_to_target_s"] == [
+        10.0,
+        12.0,
+    ]
+    assert agg["ratios"]["time_to_target_pipeline_over_conventional"] == pytest.approx(11 / 20)
+    assert agg["ratios"]["time_to_target_pipeline_over_no_inflight"] == pytest.approx(11 / 16)
+    assert pipe["lag_counts"] == {"0": 640, "1": 592, "2": 48}  # both pipeline runs
+    goal = agg["goal"]
+    assert goal["time_ok"] and goal["inflight_ok"] and goal["samples_ok"]  # 0.55, 0.69, 1.0
+    assert not goal["max_lag_ok"]  # a lag of 3 > 2
+    assert pipe["occupancy"] == pytest.approx((0.8 + base["occupancy"]) / 2) and not goal["occupancy_ok"]
     table = pvc.markdown(agg)
-    assert "| pipeline | 2 | 11.0 |" in table and "**1.82×**" in table
-    assert "pipeline-no-inflight" not in table.split("\n\n")[0]  # only the modes that ran
+    assert "| pipeline | 2 | 11.0 (10.0–12.0) |" in table and "**0.55×**" in table and "**0.69×**" in table
+    assert "pipeline-recompute" not in table.split("\n\n")[0]  # only the modes that ran

@@ -227,10 +227,12 @@ def test_slot_moves_and_cache_growth_keep_greedy_exact(model, tokenizer) -> None
     assert long.result().sequences[0].token_ids == hf_greedy(reference, PROMPTS[2], 260)
 
 
-def test_generation_stops_at_the_models_maximum_length(model, tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_generation_fills_the_models_maximum_length_and_no_more(model, tokenizer) -> None:  # type: ignore[no-untyped-def]
     model.config.max_position_embeddings = 48
     engine = Engine(model, tokenizer, max_batch=2)
-    seq = engine.generate([PROMPTS[2]], greedy(100))[0].sequences[0]
+    with pytest.raises(InferenceError, match="ask for at most max_tokens=14"):
+        engine.submit(PROMPTS[2], greedy(100))  # a request that cannot fit is refused, not cut
+    seq = engine.generate([PROMPTS[2]], greedy(48 - len(PROMPTS[2])))[0].sequences[0]
     engine.stop()
     assert seq.finish_reason == "length" and len(PROMPTS[2]) + len(seq.token_ids) == 48
 
