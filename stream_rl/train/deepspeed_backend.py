@@ -23,6 +23,7 @@ traffic) as a command, `[op, payload bytes]`:
 Token statistics are summed over ranks (`ratio_max` by max) and reported by `optimizer_step`.
 The model is loaded whole on every rank before ZeRO partitions it (no `zero.Init`): fine for
 models that fit in host memory. Bit-exact replay is a property of the torch backend on CPU only.
+No DeepSpeed op is compiled (`skip_shm_comm_op`): ZeRO's collectives are torch.distributed's.
 """
 
 from __future__ import annotations
@@ -302,10 +303,28 @@ class DeepSpeedTrainer:
                 raise ConfigError(f"deepspeed follower: unknown command {op}")
 
 
+def skip_shm_comm_op() -> None:
+    """Tell DeepSpeed not to build its shared-memory all-reduce op (`deepspeed_shm_comm`).
+
+    DeepSpeed's CPU accelerator JIT-compiles that op in every `init_distributed` (also the one
+    inside `deepspeed.initialize`), yet only its inference all-reduce (AutoTP) uses it: ZeRO's
+    collectives go through torch.distributed either way. The build runs under
+    `~/.cache/torch_extensions/<py>/deepspeed_shm_comm/lock`, a file torch waits on forever and
+    never breaks: a rank killed while compiling (each environment's install path rewrites the
+    build file, so a new venv recompiles, ~30 s) left it behind, and every later launch on the
+    machine hung in `init_distributed`. Marked not compatible, the op is never built (no compiler,
+    no shared lock) and DeepSpeed falls back to the process group's all-reduce."""
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+
+
 def init_distributed(device: str) -> None:
     """Join the trainer's process group from the launcher's environment (idempotent)."""
     import deepspeed
 
+    skip_shm_comm_op()
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
 

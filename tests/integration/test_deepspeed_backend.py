@@ -3,15 +3,19 @@ as the trainer stage on a real broker, stopped after two versions and resumed fr
 backend, and the same weights up to rounding (ZeRO reduces in another order: not bit for bit).
 
 Needs `deepspeed` (a `dev` dependency, so CI runs this; a missing install fails, never skips). DeepSpeed
-0.19.8 runs on CPU with its CPU accelerator and gloo; its first use JIT-compiles a small shared
-memory op (ninja and a C++ compiler needed, cached in ~/.cache/torch_extensions). The `gpu`
-variant runs the same on CUDA with NCCL (never run here: no GPU)."""
+0.19.8 runs on CPU with its CPU accelerator and gloo; the backend tells it not to JIT-compile its
+shared-memory op (`deepspeed_backend.skip_shm_comm_op`: no compiler, no shared build lock). The
+torch reference is trained once per module. The `gpu` variant runs the same on CUDA with NCCL
+(never run here: no GPU)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -20,7 +24,9 @@ import yaml
 from fakes.training import make_batches, make_tiny_model, produce_batches, stage_config
 from safetensors.torch import load_file
 
+from stream_rl.contracts import TrainingBatch, WeightVersion
 from stream_rl.kafka.broker import free_port
+from stream_rl.kafka.client import KafkaTransport
 from stream_rl.kafka.topics import TopicNames, apply_topics
 from stream_rl.stages import trainer as trainer_stage
 from stream_rl.train.checkpoint import latest_checkpoint
@@ -29,6 +35,64 @@ from stream_rl.train.lineage import read_weight_versions
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
+COMMON: dict[str, object] = {"samples_per_step": 6, "checkpoint_every": 100}
+FINAL_VERSION = 3
+"""20 samples consumed (18 trained, 2 filtered) at 6 per step: versions 1..3, 2 samples left over."""
+
+
+LAUNCH_TIMEOUT_S = 300
+"""Per torchrun launch (one runs in ~15 s here); a hung launch is killed with its ranks."""
+
+
+@dataclass
+class Reference:
+    """The torch backend's run on the same batches: the model, the batches, its lineage and last
+    checkpoint's weights."""
+
+    model: Path
+    batches: list[TrainingBatch]
+    lineage: list[WeightVersion]
+    weights: dict[str, torch.Tensor]
+
+
+@pytest.fixture(scope="module")
+def reference(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    kafka = KafkaTransport(kafka_bootstrap)
+    tmp = tmp_path_factory.mktemp("ds-ref")
+    model = make_tiny_model(tmp / "model")
+    # 3 micro-batches per step: with two ranks, rank 0 trains two, rank 1 one and a zero-weight pass.
+    batches = make_batches(9, 2, seed=31, filtered_every=4)
+    names = TopicNames(run=f"dsref{uuid.uuid4().hex[:10]}")
+    apply_topics(kafka, names)
+    produce_batches(kafka, names, batches)
+    cfg = stage_config(tmp / "ref", model, run=names.run, **COMMON)
+    trainer_stage.run(cfg, kafka, max_steps=FINAL_VERSION)
+    ckpt = latest_checkpoint(tmp / "ref" / "runs" / names.run / "trainer" / "checkpoints")
+    assert ckpt is not None
+    return Reference(
+        model, batches, read_weight_versions(kafka, names), load_file(ckpt / "model" / "model.safetensors")
+    )
+
+
+def torchrun(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run the launcher in its own session; on timeout kill the whole group (the ranks too, which a
+    plain `subprocess.run` timeout would leave running, orphaned)."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun timed out after {LAUNCH_TIMEOUT_S}s: {out[-3000:]}{err[-5000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 @pytest.mark.parametrize(
@@ -36,25 +100,21 @@ REPO = Path(__file__).resolve().parents[2]
     [(2, "cpu"), (3, "cpu"), pytest.param(3, "cuda", marks=pytest.mark.gpu, id="3-cuda-nccl")],
 )
 def test_two_ranks_match_the_torch_backend(  # type: ignore[no-untyped-def]
-    kafka, kafka_bootstrap: str, run_names: TopicNames, tmp_path: Path, zero_stage: int, device: str
+    kafka,
+    kafka_bootstrap: str,
+    run_names: TopicNames,
+    tmp_path: Path,
+    reference: Reference,
+    zero_stage: int,
+    device: str,
 ) -> None:
     ranks = 2 if device == "cpu" else min(2, torch.cuda.device_count())
     if ranks < 1:
         pytest.skip("no CUDA device")
-    model = make_tiny_model(tmp_path / "model")
-    # 3 micro-batches per step: with two ranks, rank 0 trains two, rank 1 one and a zero-weight pass.
-    batches = make_batches(9, 2, seed=31, filtered_every=4)
-    ref_names = TopicNames(run=run_names.run + "ref")
-    apply_topics(kafka, ref_names)
-    produce_batches(kafka, ref_names, batches)
-    produce_batches(kafka, run_names, batches)
-    common = {"samples_per_step": 6, "checkpoint_every": 100}
-    ref_cfg = stage_config(tmp_path / "ref", model, run=ref_names.run, **common)
-    trainer_stage.run(ref_cfg, kafka, idle_timeout_s=2)
-    ref = read_weight_versions(kafka, ref_names)
-
+    produce_batches(kafka, run_names, reference.batches)
+    ref = reference.lineage
     cfg = stage_config(
-        tmp_path, model, run=run_names.run, backend="deepspeed", zero_stage=zero_stage, **common
+        tmp_path, reference.model, run=run_names.run, backend="deepspeed", zero_stage=zero_stage, **COMMON
     )
     data = cfg.model_dump(mode="json")
     data["kafka"]["bootstrap"] = kafka_bootstrap
@@ -62,17 +122,19 @@ def test_two_ranks_match_the_torch_backend(  # type: ignore[no-untyped-def]
     config_path.write_text(yaml.safe_dump(data))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     # Two lives: stop after version 2 (checkpoint), then resume from the DeepSpeed checkpoint.
-    for bound in (["--max-steps", "2"], ["--idle-timeout", "3"]):
+    for bound in (2, FINAL_VERSION):
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-            str(free_port()), "-m", "stream_rl.cli", "trainer", "--config", str(config_path), *bound,
+            str(free_port()), "-m", "stream_rl.cli", "trainer", "--config", str(config_path),
+            "--max-steps", str(bound),
         ]  # fmt: skip
-        res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=500)
+        res = torchrun(cmd, env)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     assert "resuming from" in res.stderr and "step-000002" in res.stderr
+    assert "deepspeed_shm_comm" not in res.stdout + res.stderr  # no op compiled, no build lock taken
 
     got = read_weight_versions(kafka, run_names)
-    assert [w.version for w in got] == [w.version for w in ref] and len(got) == 4
+    assert [w.version for w in got] == [w.version for w in ref] and len(got) == FINAL_VERSION + 1
     assert [(w.samples_trained, w.samples_filtered) for w in got] == [
         (w.samples_trained, w.samples_filtered) for w in ref
     ]
@@ -82,12 +144,13 @@ def test_two_ranks_match_the_torch_backend(  # type: ignore[no-untyped-def]
         assert a.metrics["ratio_mean"] == pytest.approx(b.metrics["ratio_mean"], rel=1e-5)
         assert a.metrics["grad_norm"] == pytest.approx(b.metrics["grad_norm"], rel=1e-4)
     ds_ckpt = latest_checkpoint(tmp_path / "runs" / run_names.run / "trainer" / "checkpoints")
-    ref_ckpt = latest_checkpoint(tmp_path / "ref" / "runs" / ref_names.run / "trainer" / "checkpoints")
-    assert ds_ckpt is not None and ref_ckpt is not None
+    assert ds_ckpt is not None
     ds_w = load_file(ds_ckpt / "model" / "model.safetensors")
-    ref_w = load_file(ref_ckpt / "model" / "model.safetensors")
+    ref_w = reference.weights
     assert ds_w.keys() == ref_w.keys()
-    moved = max(float((ref_w[k] - load_file(model / "model.safetensors")[k]).abs().max()) for k in ref_w)
+    moved = max(
+        float((ref_w[k] - load_file(reference.model / "model.safetensors")[k]).abs().max()) for k in ref_w
+    )
     assert moved > 1e-3  # training did change the weights, so the comparison below means something
     # Adam's update is nearly sign(gradient) * lr where gradients are tiny, so reduction-order
     # rounding can move single entries by a fraction of an update (seen: 1e-5 of 3e-3). The
