@@ -54,6 +54,9 @@ typecheck: setup
 docker-tools:
 	@deploy/docker/install.sh
 
+# The 15 slowest tests at the end of every run: where the suite's time goes.
+PYTEST_ARGS ?= --durations=15
+
 pytest: setup vllm docker-tools
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 

@@ -252,13 +252,14 @@ def main() -> int:
         "--demo", action="store_true", help="also the demo through the launcher on each engine"
     )
     parser.add_argument("--target", type=float, default=0.8)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results file")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="bench-engines-"))
     results: dict[str, Any] = {
         "machine": {"cores": os.cpu_count(), "loadavg": os.getloadavg()},
         "presets": {},
     }
-    for preset in args.presets.split(","):
+    for preset in filter(None, args.presets.split(",")):  # --presets '' with --demo: the demo only
         model = make_model(workdir / preset, preset, seed=0)
         servers = {engine: Server(engine, model, workdir, args.threads) for engine in ENGINES}
         try:
@@ -308,9 +309,9 @@ def main() -> int:
             print(
                 f"demo   {e:7s} time to reward {args.target}: median {med(times):.1f} s over {len(times)} runs"
             )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2, default=str))
-    print(f"wrote {RESULTS}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2, default=str))
+    print(f"wrote {args.out}")
     return 0
 
 
