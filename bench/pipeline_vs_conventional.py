@@ -423,8 +423,8 @@ def plot_occupancy(runs: list[dict[str, Any]], path: Path) -> None:
     for i, (mode, by_lag) in enumerate(counts.items()):
         total = sum(by_lag.values()) or 1
         xs = sorted(by_lag)
-        lags.bar(
-            [x + i * width for x in xs],
+        lags.bar(  # the modes side by side, centred on their integer lag
+            [x + (i - (len(counts) - 1) / 2) * width for x in xs],
             [by_lag[x] / total for x in xs],
             width,
             color=COLOURS[mode],
@@ -435,6 +435,7 @@ def plot_occupancy(runs: list[dict[str, Any]], path: Path) -> None:
         ylabel="share of samples",
         title="lag distribution",
     )
+    lags.set_xticks(sorted({lag for by_lag in counts.values() for lag in by_lag}))
     lags.legend(fontsize=8)
     lags.grid(alpha=0.3, axis="y")
     fig.tight_layout()
