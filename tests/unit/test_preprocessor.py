@@ -119,7 +119,7 @@ def test_restart_mid_group_rebuilds_partial_groups_from_the_state_topic() -> Non
     state = [serde.decode(m.value, PartialGroup) for m in t.messages(NAMES["preprocessor-state"]) if m.value]
     assert any(not s.closed and s.samples for s in state)
     first, _ = trained(t)
-    preprocessor.run(make_config(), transport=t, idle_timeout_s=1)
+    preprocessor.run(make_config(), transport=t, idle_timeout_s=0.5)
     samples, _ = trained(t)
     assert len(first) < 16
     assert sorted(s.rollout_id for s in samples) == sorted(r.rollout.rollout_id for r in records)
@@ -129,7 +129,7 @@ def test_incomplete_groups_time_out_to_the_dlq_and_count_as_consumed() -> None:
     t = transport()
     records = groups(2)
     produce(t, records[:7])  # the second group misses a sample
-    stats = preprocessor.run(make_config(group_timeout_s=0.2), transport=t, idle_timeout_s=2)
+    stats = preprocessor.run(make_config(group_timeout_s=0.2), transport=t, idle_timeout_s=1)
     samples, batches = trained(t)
     assert len(samples) == 4 and stats.extra["timed_out"] == 1
     assert sum(b.num_filtered for b in batches) == 4  # the whole group_size is accounted for
@@ -137,7 +137,7 @@ def test_incomplete_groups_time_out_to_the_dlq_and_count_as_consumed() -> None:
     assert len(dlq) == 3 and all(b"incomplete group" in (m.header("error") or b"") for m in dlq)
     # The missing sample arriving late is a duplicate of a closed group, not a new group.
     produce(t, records[7:])
-    stats = preprocessor.run(make_config(group_timeout_s=0.2), transport=t, idle_timeout_s=1)
+    stats = preprocessor.run(make_config(group_timeout_s=0.2), transport=t, max_records=1, idle_timeout_s=1)
     assert stats.extra["duplicates"] == 1 and len(trained(t)[0]) == 4
 
 

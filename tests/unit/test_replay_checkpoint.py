@@ -38,7 +38,7 @@ def test_replay_reproduces_every_checksum(tmp_path: Path, model_dir: Path) -> No
     batches.insert(3, b"garbage")  # DLQ'd by the trainer, skipped by the replay
     setup_topics(transport, "r1", batches)
     cfg = make_config(tmp_path, model_dir, samples_per_step=5)
-    stats = trainer_stage.run(cfg, transport, idle_timeout_s=1)
+    stats = trainer_stage.run(cfg, transport, idle_timeout_s=0.5)
     assert stats.version >= 2
     report = replay_trainer(cfg, transport)
     assert report.ok, report.table()

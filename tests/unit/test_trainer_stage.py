@@ -48,7 +48,7 @@ def test_steps_versions_pushes_and_records(tmp_path: Path, model_dir: Path) -> N
     names = setup_topics(transport, "r1", make_batches(6, 2, seed=1))
     pusher = FakePusher(drop_at=2)
     cfg = make_config(tmp_path, model_dir, max_steps=3)
-    stats = trainer_stage.run(cfg, transport, pusher=pusher, idle_timeout_s=2)
+    stats = trainer_stage.run(cfg, transport, pusher=pusher, idle_timeout_s=0.5)
     assert stats.stopped_by == "max_steps" and stats.version == 3 and pusher.closed
     wvs = versions(transport, names)
     assert [w.version for w in wvs] == [0, 1, 2, 3]
@@ -80,7 +80,7 @@ def test_filtered_samples_count_toward_the_step(tmp_path: Path, model_dir: Path)
     batches = make_batches(4, 2, seed=2, filtered_every=1)  # each: 2 trained + 1 filtered
     batches.append(TrainingBatch("only-filtered", "r1", [], "p", num_filtered=4))
     names = setup_topics(transport, "r1", batches)
-    trainer_stage.run(make_config(tmp_path, model_dir), transport, idle_timeout_s=1)
+    trainer_stage.run(make_config(tmp_path, model_dir), transport, idle_timeout_s=0.5)
     wvs = versions(transport, names)
     # 3 consumed per batch: steps close after batches 2 and 4 (6 >= 4); the empty batch makes a step
     # of filtered samples only, which leaves the weights unchanged.
@@ -94,7 +94,7 @@ def test_bad_records_go_to_the_dlq(tmp_path: Path, model_dir: Path) -> None:
     good = make_batches(2, 2, seed=3)
     out_of_vocab = make_batches(1, 1, seed=4, vocab_size=1000)[0]
     names = setup_topics(transport, "r1", [good[0], b"not avro", out_of_vocab, good[1]])
-    stats = trainer_stage.run(make_config(tmp_path, model_dir), transport, idle_timeout_s=1)
+    stats = trainer_stage.run(make_config(tmp_path, model_dir), transport, idle_timeout_s=0.5)
     dlq = transport.messages(names.dlq(TRAINING_BATCHES))
     assert stats.dlq == 2 and len(dlq) == 2
     assert dlq[0].header("original.offset") == b"1" and b"vocabulary" in (dlq[1].header("error") or b"")
@@ -108,7 +108,7 @@ def reference_checksums(
 ) -> list[str]:
     transport = MemoryTransport()
     names = setup_topics(transport, "ref", batches)
-    trainer_stage.run(make_config(tmp_path / "ref", model_dir, run="ref", **kw), transport, idle_timeout_s=1)
+    trainer_stage.run(make_config(tmp_path / "ref", model_dir, run="ref", **kw), transport, idle_timeout_s=0.5)
     return [w.checksum for w in versions(transport, names)]
 
 
@@ -119,13 +119,13 @@ def test_stop_mid_step_then_resume_matches_uninterrupted(tmp_path: Path, model_d
     transport = MemoryTransport()
     names = setup_topics(transport, "r1", batches[:5])  # 2 steps and half of a third
     cfg = make_config(tmp_path, model_dir)
-    first = trainer_stage.run(cfg, transport, idle_timeout_s=1)
+    first = trainer_stage.run(cfg, transport, idle_timeout_s=0.5)
     assert first.stopped_by == "idle_timeout" and first.version == 2
     ckpt = latest_checkpoint(tmp_path / "runs" / "r1" / "trainer" / "checkpoints")
     assert ckpt is not None and read_state(ckpt).offsets == {(names.topic(TRAINING_BATCHES), 0): 4}
     assert transport.group_offsets(names.group("trainer"), names.topic(TRAINING_BATCHES)) == {0: 4}
     produce_batches(transport, names, batches[5:])
-    second = trainer_stage.run(cfg, transport, idle_timeout_s=1)
+    second = trainer_stage.run(cfg, transport, idle_timeout_s=0.5)
     assert second.version == 4 and second.published == 2  # version 2 re-broadcast, not re-published
     assert [w.checksum for w in versions(transport, names)] == ref
 
@@ -137,10 +137,10 @@ def test_crash_after_publishing_retrains_and_verifies(tmp_path: Path, model_dir:
     names = setup_topics(transport, "r1", batches)
     cfg = make_config(tmp_path, model_dir, checkpoint_every=2)
     with pytest.raises(WeightSyncError):
-        trainer_stage.run(cfg, transport, pusher=FakePusher(crash_at=4), idle_timeout_s=1)
+        trainer_stage.run(cfg, transport, pusher=FakePusher(crash_at=4), idle_timeout_s=0.5)
     assert [w.version for w in versions(transport, names)] == [0, 1, 2, 3]
     pusher = FakePusher()
-    stats = trainer_stage.run(cfg, transport, pusher=pusher, idle_timeout_s=1)
+    stats = trainer_stage.run(cfg, transport, pusher=pusher, idle_timeout_s=0.5)
     # Resumed at the step-2 checkpoint: 2 re-broadcast, 3 re-trained and verified, 4 and 5 new.
     assert pusher.pushed[0][0] == 2 and stats.verified == 2 and stats.mismatches == 0
     wvs = versions(transport, names)
@@ -220,7 +220,7 @@ def test_a_server_back_while_no_step_completes_gets_the_current_version_at_once(
     monkeypatch.setattr(trainer_stage, "rejoin_dropped", rejoin)
     monkeypatch.setattr(trainer_stage, "RECONNECT_EVERY_S", 0.0)
     stats = trainer_stage.run(
-        make_config(tmp_path, model_dir, max_steps=3), transport, pusher=pusher, idle_timeout_s=1
+        make_config(tmp_path, model_dir, max_steps=3), transport, pusher=pusher, idle_timeout_s=0.5
     )
     assert stats.version == 0 and stats.stopped_by == "idle_timeout"
     assert rejoined == ["http://b:2"]  # once: after that it is live
