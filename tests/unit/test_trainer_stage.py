@@ -108,7 +108,9 @@ def reference_checksums(
 ) -> list[str]:
     transport = MemoryTransport()
     names = setup_topics(transport, "ref", batches)
-    trainer_stage.run(make_config(tmp_path / "ref", model_dir, run="ref", **kw), transport, idle_timeout_s=0.5)
+    trainer_stage.run(
+        make_config(tmp_path / "ref", model_dir, run="ref", **kw), transport, idle_timeout_s=0.5
+    )
     return [w.checksum for w in versions(transport, names)]
 
 
