@@ -81,6 +81,17 @@ class PushReport:
     failed: dict[str, str] = field(default_factory=dict)
     per_server: dict[str, dict[str, float]] = field(default_factory=dict)
 
+    @classmethod
+    def combined(cls, version: int, parts: Sequence[Any]) -> PushReport:
+        """One report for a push made by several senders (each part a report of `version`)."""
+        report = cls(version=version, broadcast_ms=0.0)
+        for part in parts:
+            report.updated += part.updated
+            report.failed.update(part.failed)
+            report.per_server.update(part.per_server)
+            report.broadcast_ms = max(report.broadcast_ms, part.broadcast_ms)
+        return report
+
 
 @dataclass
 class _Link:

@@ -134,14 +134,9 @@ class AutoSender:
     def push(
         self, version: int, named_tensors: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int
     ) -> PushReport:
-        report = PushReport(version=version, broadcast_ms=0.0)
-        for sender in self._senders:
-            part = sender.push(version, named_tensors, bucket_bytes)
-            report.updated += part.updated
-            report.failed.update(part.failed)
-            report.per_server.update(part.per_server)
-            report.broadcast_ms = max(report.broadcast_ms, part.broadcast_ms)
-        return report
+        return PushReport.combined(
+            version, [s.push(version, named_tensors, bucket_bytes) for s in self._senders]
+        )
 
     def close(self) -> None:
         for sender in self._senders:
