@@ -54,8 +54,11 @@ typecheck: setup
 docker-tools:
 	@deploy/docker/install.sh
 
-# The 15 slowest tests at the end of every run: where the suite's time goes.
-PYTEST_ARGS ?= --durations=15
+# The suite on TEST_WORKERS xdist workers, a file (the files on the session's vLLM server: one) per
+# work unit, heaviest first (tests/conftest.py); the 15 slowest tests at the end: where the time
+# goes. `make pytest TEST_WORKERS=0` runs it in one process.
+TEST_WORKERS ?= 3
+PYTEST_ARGS ?= -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 pytest: setup vllm docker-tools
 	$(VENV)/bin/pytest $(PYTEST_ARGS)

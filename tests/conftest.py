@@ -1,6 +1,10 @@
-"""Shared fixtures. Integration tests share one real Kafka broker per session (started from the
-Maven-fetched jars on free ports in a temp dir, or $STREAM_RL_TEST_BOOTSTRAP when set); each test
-gets its own run namespace, hence fresh topics and consumer groups."""
+"""Shared fixtures and the suite's layout on pytest-xdist workers.
+
+Integration tests share one real Kafka broker (started from the Maven-fetched jars on free ports
+in a temp dir, or $STREAM_RL_TEST_BOOTSTRAP when set); each test gets its own run namespace, hence
+fresh topics and consumer groups. Under xdist (`make test` runs `pytest -n ...`) the controller
+starts that broker once and every worker uses it, instead of one JVM per worker.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +12,94 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from stream_rl.kafka.topics import TopicNames
 
 REPO = Path(__file__).resolve().parents[1]
+_BOOTSTRAP_ENV = "STREAM_RL_TEST_BOOTSTRAP"
+_SHARED: dict[str, Any] = {}
+
+
+def _is_xdist_controller(config: pytest.Config) -> bool:
+    return getattr(config.option, "numprocesses", None) not in (None, 0) and not hasattr(config, "workerinput")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The xdist controller starts the shared broker before its workers exist (they inherit the
+    environment), unless one is given or no selected test could need it (`-m unit`)."""
+    if not _is_xdist_controller(config) or os.environ.get(_BOOTSTRAP_ENV):
+        return
+    if (config.option.markexpr or "").strip() == "unit":
+        return
+    import tempfile
+
+    from stream_rl.kafka.broker import LocalBroker, free_port
+
+    data = Path(tempfile.mkdtemp(prefix="stream-rl-test-kafka-"))
+    broker = LocalBroker(data, port=free_port())
+    state = broker.up(quiet=True)
+    _SHARED["broker"], _SHARED["data"] = broker, data
+    os.environ[_BOOTSTRAP_ENV] = state.bootstrap
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    broker = _SHARED.pop("broker", None)
+    if broker is not None:
+        import shutil
+
+        os.environ.pop(_BOOTSTRAP_ENV, None)
+        broker.down(quiet=True)
+        shutil.rmtree(_SHARED.pop("data"), ignore_errors=True)
+
+
+# Where the suite's time goes (`make test --durations`, clean clone, 2 cores): the files that take
+# minutes start first, so the run is not left waiting on one of them at its end.
+_FIRST = ("vllm", "tests/e2e/test_chaos.py", "tests/docker/", "tests/e2e/", "tests/integration/")
+_VLLM_FILES = ("tests/e2e/test_vllm_demo.py", "tests/integration/test_vllm.py")
+"""The files whose tests use the session's vLLM server: one xdist work unit (one server per run)."""
+
+
+def _unit(path: str) -> str:
+    """The xdist work unit of the tests in file `path`: the file (its module fixtures are built
+    once, on one worker), or `vllm` for the files on the session's vLLM server."""
+    return "vllm" if path in _VLLM_FILES else path
+
+
+def _rank(path: str) -> int:
+    unit = _unit(path)
+    return next((i for i, prefix in enumerate(_FIRST) if unit.startswith(prefix)), len(_FIRST))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        if "vllm_server" in getattr(item, "fixturenames", ()) and path not in _VLLM_FILES:
+            raise pytest.UsageError(f"{item.nodeid} uses vllm_server: add its file to _VLLM_FILES")
+    items.sort(key=lambda item: _rank(item.nodeid.split("::", 1)[0]))  # stable within a rank
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile` (make test): a file per work unit, the vLLM files as one, in the order
+    above (`--no-loadscope-reorder`). pytest-xdist's `loadgroup` would do it with marks, but it
+    does not group on pytest 9.2 (pytest-dev/pytest-xdist#1386)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid.split("::", 1)[0])
+
+    return FileScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
 def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    existing = os.environ.get("STREAM_RL_TEST_BOOTSTRAP")
+    existing = os.environ.get(_BOOTSTRAP_ENV)
     if existing:
         yield existing
         return
@@ -58,16 +139,15 @@ def run_names(kafka) -> TopicNames:  # type: ignore[no-untyped-def]
 _VLLM: dict[str, object] = {}
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the vLLM server in the background as soon as a selected test needs it: it takes a
-    minute or more, and the other tests run meanwhile."""
-    if any("vllm_server" in getattr(item, "fixturenames", ()) for item in session.items):
-        from vllm_fixture import VLLMServer
-
-        base = Path(session.config._tmp_path_factory.mktemp("vllm"))  # type: ignore[attr-defined]
-        server = VLLMServer(base)
-        server.start_in_background()
-        _VLLM["server"] = server
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stop the vLLM server after the last test that needs it: idle, it still costs ~15% of a core
+    (its engine loop polls), minutes of CPU over the rest of the suite."""
+    if "vllm_server" in getattr(item, "fixturenames", ()) and (
+        nextitem is None or "vllm_server" not in getattr(nextitem, "fixturenames", ())
+    ):
+        server = _VLLM.pop("server", None)
+        if server is not None:
+            server.stop()  # type: ignore[attr-defined]
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -77,11 +157,16 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 @pytest.fixture(scope="session")
-def vllm_server() -> object:
-    """The running vLLM server (`tests/vllm_fixture.VLLMServer`: url, model, log)."""
+def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> object:
+    """The running vLLM server (`tests/vllm_fixture.VLLMServer`: url, model, log), started on first
+    use (a minute or more on 2 cores; its tests are scheduled first)."""
+    from vllm_fixture import VLLMServer
+
     server = _VLLM.get("server")
     if server is None:
-        pytest.fail("the vLLM server was not started at collection (vllm_server used indirectly?)")
+        server = VLLMServer(tmp_path_factory.mktemp("vllm"))
+        server.start_in_background()
+        _VLLM["server"] = server
     try:
         server.wait()  # type: ignore[attr-defined]
     except RuntimeError as exc:

@@ -1,9 +1,9 @@
 """A real vLLM server (the CPU build in `.venv-vllm`, `make vllm`) for the tests, started with the
 launcher's own command line (`stream_rl.inference.servers.launch_for`).
 
-vLLM takes a minute or more to start on two cores, so `tests/conftest.py` starts the session's
-server as soon as collection shows a test that needs it, on a background thread, while the other
-tests run; the `vllm_server` fixture waits for it.
+vLLM takes a minute or more to start on two cores: `tests/conftest.py` starts the session's
+server when a test first needs it (the vLLM files are scheduled first, as one xdist work unit, so
+the other workers run meanwhile) and stops it after the last test that needs it.
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ class Engine:
 class Compose:
     """`docker compose` on the project, with the test's override file and variables."""
 
-    def __init__(self, env: dict[str, str], bases: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], bases: dict[str, str], steps: int) -> None:
         self.timings: dict[str, float] = {}
         self.taken_down = False
         self.kafka_port = free_port()
@@ -105,6 +105,7 @@ class Compose:
             "STREAM_RL_PROMETHEUS_PORT": str(self.prometheus_port),
             "STREAM_RL_TEST_SUBNET": SUBNET,
             "STREAM_RL_TEST_MODELS_VOLUME": models_volume(),
+            "STREAM_RL_TEST_STEPS": str(steps),
         }
 
     @property

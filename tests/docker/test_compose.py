@@ -39,7 +39,10 @@ pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
 
 CONFIG = load_config("configs/demo-docker.yaml")
 RUN = CONFIG.run
-STEPS = CONFIG.trainer.max_steps
+STEPS = 50
+"""The trainer's steps here (`--set trainer.max_steps`, compose.test.yml), not the demo's 100:
+the sampled reward passes 0.7 by then (measured: ...), and every step costs the suite ~2 s of
+both cores."""
 SCALE_AT = STEPS // 4  # the version after which actors go 1 -> 3 and verifiers 1 -> 2
 GROUP = CONFIG.actor.group_size
 
@@ -79,7 +82,7 @@ def stack(engine: Engine) -> Iterator[Compose]:
     bases = dict(
         line.split("=", 1) for line in sh([str(DEPLOY / "base.sh")], engine.env, timeout=1800).split()
     )
-    compose = Compose(engine.env, bases)
+    compose = Compose(engine.env, bases, STEPS)
     compose.timings["base.sh"] = time.monotonic() - start
     compose.docker("volume", "create", models_volume())
     compose("down", "-v", "--remove-orphans", check=False)  # an interrupted run's containers and topics

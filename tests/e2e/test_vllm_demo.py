@@ -1,7 +1,11 @@
 """The CPU demo with vLLM as the inference engine: `stream-rl run configs/demo-cpu.yaml` against a
 real vLLM server (the session's, tests/vllm_fixture.py, serving the demo's warm-started model),
 a real broker, every stage its own process, weights pushed through the `stream_rl_gloo` plugin
-at every version. Same learning bar as the built-in engine: reward <= 0.4 -> >= 0.8."""
+at every version: the reward of what was sampled rises from <= 0.4 (first 3 versions) to >= 0.7
+(last 3), in STEPS steps of the demo's 100 and without its held-out evaluations
+(tests/e2e/test_research.py tests the evaluator), as `docker compose` does
+(tests/docker/test_compose.py): each demo step costs the suite ~3 s of CPU here. The whole demo
+on vLLM, to its 0.8, is `bench/engines.py --demo`."""
 
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ pytestmark = [
 ]
 
 REPO = Path(__file__).resolve().parents[2]
+STEPS = 60
+"""At 50 steps (measured, 2 cores under load): reward 0.25 -> 0.74 (last 3), 0.82 at version 50."""
 
 
 def test_the_cpu_demo_learns_on_vllm(
@@ -43,6 +49,8 @@ def test_the_cpu_demo_learns_on_vllm(
         "kafka": {"bootstrap": kafka_bootstrap, "partitions": 2},
         "inference": {"servers": [{"url": vllm_server.url, "engine": "vllm"}]},
         "launcher": {"max_wall_s": 600},
+        "trainer": {"max_steps": STEPS},
+        "eval": {"every": 0},
     }
     demo = yaml.safe_load((REPO / "configs" / "demo-cpu.yaml").read_text())
     for key, value in overrides.items():
@@ -66,7 +74,7 @@ def test_the_cpu_demo_learns_on_vllm(
     print(json.dumps({k: summary[k] for k in ("reward", "wall_s", "version_lag") if k in summary}))
     assert summary["versions"]["last"] == demo["trainer"]["max_steps"]
     assert summary["reward"]["first3_mean"] <= 0.4
-    assert summary["reward"]["last3_mean"] >= 0.8
+    assert summary["reward"]["last3_mean"] >= 0.7
     # Every version was installed on the vLLM server, and every trained token says by which.
     names = TopicNames(run=run)
     versions = read_weight_versions(kafka, names)

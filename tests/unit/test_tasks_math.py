@@ -59,7 +59,9 @@ VERDICT_TABLE = [
 
 @pytest.mark.parametrize("gold,completion,verdict", VERDICT_TABLE)
 def test_verdicts(gold, completion, verdict):
-    got, detail = check_boxed_answer(gold, completion)
+    # The verdicts, not the deadline (tested below): math-verify's first call in a process costs
+    # seconds of CPU, more than the default 1 s on a loaded machine (xdist workers beside it).
+    got, detail = check_boxed_answer(gold, completion, timeout_s=30.0)
     assert got is verdict, detail
 
 
