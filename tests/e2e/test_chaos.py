@@ -1,6 +1,7 @@
 """Chaos: one short run through the launcher (`launcher.restart: true`) on its own broker, during
 which every stage is SIGKILLed in turn (actor, verifier, preprocessor, trainer, inference
-server) and the broker is bounced three times (down, up). Then the outside view (`outside.py`:
+server: the server right after the trainer's last push, with the actor paused until nothing more
+trains) and the broker is bounced three times (down, up). Then the outside view (`outside.py`:
 the topics decoded with the .avsc files and fastavro alone) counts loss, duplicates, lag and
 coverage. Before the outage handling, a bounce hung a run for good in 2 of 4 runs (a fenced
 static consumer went silent) or crashed stages; three bounces in one run catch that.
@@ -39,14 +40,18 @@ PLAN = [
     (4, "verifier-0"),
     (5, "bounce"),
     (7, "preprocessor-0"),
-    # The server just before the trainer: the restarted trainer joins the restarted server afresh.
-    # Open (issue 15): a server killed and restarted right after a push, while the trainer lives,
-    # is still taken for holding the version on the trainer's side; nothing re-pushes it and the run
-    # waits (the actor holds problems until a server holds the current version).
-    (8, "server-0"),
-    (8, "trainer"),
+    # The server right after the last push, the trainer alive (issue 15 item 2): the actor is
+    # paused until no version comes (what was sampled is trained), then the server is killed and the
+    # actor resumed. No push fails on the server, so only the trainer's idle version probe finds it
+    # restarted (holding version 0) and re-pushes it; before, nothing did and the run waited for the
+    # watchdog (the actor routes to no server older than the bound). A kill while samples are still
+    # in flight would mostly be found by the next push failing, the path the other kills take.
+    (8, "drained server-0"),
     (10, "bounce"),
+    (11, "trainer"),
 ]
+QUIET_S = 6.0
+"""After pausing the actor, no new version for this long: the trainer has pushed its last one."""
 
 
 def _versions(consumer: ck.Consumer, decoder: Decoder, seen: dict[int, dict[str, Any]]) -> int:
@@ -55,6 +60,24 @@ def _versions(consumer: ck.Consumer, decoder: Decoder, seen: dict[int, dict[str,
             _name, wv = decoder.decode(m.value())
             seen.setdefault(wv["version"], wv)
     return max(seen, default=-1)
+
+
+def _drain_then_kill(
+    pids: dict[str, int], reader: ck.Consumer, decoder: Decoder, seen: dict[int, dict[str, Any]]
+) -> int:
+    """Pause actor-0 until no version comes for `QUIET_S` (at most 60 s), SIGKILL server-0, resume
+    the actor; returns the last version pushed before the kill."""
+    os.kill(pids["actor-0"], signal.SIGSTOP)
+    try:
+        last, quiet_since, limit = max(seen, default=-1), time.monotonic(), time.monotonic() + 60
+        while time.monotonic() - quiet_since < QUIET_S and time.monotonic() < limit:
+            version = _versions(reader, decoder, seen)
+            if version != last:
+                last, quiet_since = version, time.monotonic()
+        os.kill(pids["server-0"], signal.SIGKILL)
+    finally:
+        os.kill(pids["actor-0"], signal.SIGCONT)
+    return last
 
 
 def _up(broker: Any) -> None:
@@ -129,13 +152,15 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             version = _versions(reader, decoder, seen)
             if plan and version >= plan[0][0]:
                 _at, action = plan.pop(0)
+                pids = json.loads((run_dir / "processes.json").read_text())["pids"]
                 if action == "bounce":
                     broker.down(quiet=True)
                     time.sleep(1)
                     _up(broker)
+                elif action == "drained server-0":
+                    version = _drain_then_kill(pids, reader, decoder, seen)
                 else:
-                    pid = json.loads((run_dir / "processes.json").read_text())["pids"][action]
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(pids[action], signal.SIGKILL)
                 done.append(f"{action}@{version}")
         if proc.poll() is None:
             proc.kill()
@@ -184,6 +209,8 @@ def test_the_run_finished_through_every_kill_and_bounce(chaos: dict[str, Any]) -
     assert len(chaos["done"]) == len(PLAN), (chaos["done"], chaos["log"][-3000:])
     for child in ("actor-0", "verifier-0", "preprocessor-0", "trainer", "server-0"):
         assert f"restarting {child}" in chaos["log"], child
+    # Every stage recovered by itself: the progress watchdog never had to kill one.
+    assert "to restart it" not in chaos["log"], chaos["log"][-3000:]
     versions = sorted({wv["version"] for wv in chaos["weight-versions"]})
     assert versions == list(range(MAX_STEPS + 1)), "versions 0..max_steps, gapless"
 
