@@ -122,7 +122,7 @@ def test_a_server_restarted_right_after_a_push_is_re_pushed_while_idle(
     pusher = ServingPusher(servers, restart_after=1)
     monkeypatch.setattr(trainer_stage, "RECONNECT_EVERY_S", 0.0)
     stats = trainer_stage.run(
-        served_config(tmp_path, model_dir, servers), transport, pusher=pusher, idle_timeout_s=1.0
+        served_config(tmp_path, model_dir, servers), transport, pusher=pusher, idle_timeout_s=1.5
     )
     a, b = servers
     assert stats.version == 1 and stats.stopped_by == "idle_timeout"
