@@ -50,8 +50,11 @@ PLAN = [
     (11, "bounce"),
     (12, "trainer"),
 ]
-QUIET_S = 6.0
-"""After pausing the actor, no new version for this long: the trainer has pushed its last one."""
+QUIET_S = 10.0
+"""After pausing the actor, no new version for this long: the trainer has pushed its last one (the
+two steps in flight at `max_lag` 1 train within ~3 s here; on a machine loaded several times over a
+step can take longer, then the kill falls before the last push, which fails and drops the server:
+the path the other kills take)."""
 
 
 def _versions(consumer: ck.Consumer, decoder: Decoder, seen: dict[int, dict[str, Any]]) -> int:
