@@ -113,6 +113,7 @@ def summarize(
             "broadcast_ms_p50": statistics.median(bcast) if bcast else None,
             "broadcast_ms_max": max(bcast, default=None),
             "updates_with_failed_servers": sum(1 for v in versions if v.get("servers_failed")),
+            "servers_restarted": int(sum(metric("servers_restarted"))),
         },
         "samples_trained": updates[-1]["samples_trained"] if updates else 0,
         "faults": {

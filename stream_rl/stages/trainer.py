@@ -14,6 +14,10 @@ the loss is divided by the sequences actually trained in the step. Then: one Ada
 checkpoint when due, publish the `WeightVersion`, and only after a durable checkpoint commit the
 consumed offsets. Undecodable or unusable micro-batches go to `training-batches.dlq`.
 
+While no input comes (at most every `RECONNECT_EVERY_S`): live servers are asked the version they
+hold, one older than the last push (restarted since, no push failed on it) is dropped; dropped
+servers that answer `/health` re-join; and those are pushed the current version at once.
+
 Start: resume from the latest checkpoint if there is one (weights, optimizer, schedule, RNG,
 counters, offsets), else the model at `model.path` as version 0. Broadcast that version to every
 server, then publish it (version 0 with kind `init`) unless the lineage already holds it. After a
@@ -63,7 +67,14 @@ from stream_rl.train.checkpoint import (
 )
 from stream_rl.train.dedupe import TrainedIds
 from stream_rl.train.lineage import by_version, read_weight_versions
-from stream_rl.train.push import PushOutcome, WeightPusher, connect_servers, make_sender, rejoin_dropped
+from stream_rl.train.push import (
+    PushOutcome,
+    WeightPusher,
+    connect_servers,
+    drop_restarted,
+    make_sender,
+    rejoin_dropped,
+)
 from stream_rl.train.record import write_run_record
 from stream_rl.train.step import TrainerBackend
 from stream_rl.train.step_runner import StepRunner, unusable_reason
@@ -75,7 +86,8 @@ CONSUMES = TRAINING_BATCHES
 PRODUCES = (WEIGHT_VERSIONS,)
 RECONNECT_EVERY_S = 2.0
 """Dropped servers that answer /health are asked to re-join at most this often (before a push, so
-a restarted server gets the next version at once and is routed to again)."""
+a restarted server gets the next version at once and is routed to again); while no step completes,
+live servers are asked for the version they hold at most this often too (`_rejoin_while_idle`)."""
 
 
 @dataclass
@@ -93,6 +105,8 @@ class TrainerStats:
     """Samples dropped because their id was trained before (`stream_rl.train.dedupe`)."""
     skipped_steps: int = 0
     """Steps whose gradient was not finite (not applied)."""
+    restarted_servers: int = 0
+    """Live servers found holding an older version than pushed them (restarted): re-joined, re-pushed."""
     checksum: str = ""
     stopped_by: str = ""
 
@@ -124,6 +138,9 @@ class TrainerStage:
         self.stats = TrainerStats()
         self.bucket_bytes = int(self.tcfg.bucket_mb * 2**20)
         self._last_connect = 0.0
+        self._pushed: int | None = None
+        """The version of the last push: every server still live holds it (a failing one is dropped)."""
+        self._restarted_since_step = 0
         self._checkpointed_step = -1
         self._last_step_end = time.monotonic()
         self._published_here: set[int] = set()
@@ -165,6 +182,7 @@ class TrainerStage:
         with self.trainer.full_weights() as named:
             checksum = weights_checksum(named)
             report = None if self.pusher is None else self.pusher.push(version, named, self.bucket_bytes)
+        self._pushed = version
         for url, why in (report.failed if report else {}).items():
             log.warning("server %s dropped at version %d: %s", url, version, why)
             tm.SERVER_FAILURES.inc()
@@ -174,15 +192,26 @@ class TrainerStage:
         """Re-join servers that came back while no step completes, and push them the current
         version now. A restarted server holds its initial weights; the actors route to no server
         older than the bound, so with every server dropped no sample comes, no step completes, and
-        a re-join left to the next push would never happen (the run would wait for good)."""
+        a re-join left to the next push would never happen (the run would wait for good).
+
+        A server killed and restarted right after a push is still live here (no push failed on
+        it): so live servers are first asked which version they hold (`drop_restarted`, one short
+        GET each through the engine's route), and one older than the last push is dropped, then
+        re-joined and pushed with the others that came back."""
         if self.pusher is None or time.monotonic() - self._last_connect < RECONNECT_EVERY_S:
             return
         self._last_connect = time.monotonic()
+        if self._pushed is not None:
+            restarted = drop_restarted(self.pusher, self.config.inference.server_list(), self._pushed)
+            self.stats.restarted_servers += len(restarted)
+            self._restarted_since_step += len(restarted)
+            tm.SERVERS_RESTARTED.inc(len(restarted))
         if not rejoin_dropped(self.pusher, self.config.inference.server_urls()):
             return
         version = self.state.version
         with self.trainer.full_weights() as named:
             report = self.pusher.push(version, named, self.bucket_bytes)
+        self._pushed = version
         for url, why in report.failed.items():
             log.warning("server %s dropped again at version %d: %s", url, version, why)
             tm.SERVER_FAILURES.inc()
@@ -314,6 +343,9 @@ class TrainerStage:
             broadcast_ms=report.broadcast_ms if report else 0.0,
             checkpoint_ms=(now - started) * 1000 if uri else 0.0,
         )
+        if self._restarted_since_step:  # found while idle before this step (`_rejoin_while_idle`)
+            metrics["servers_restarted"] = float(self._restarted_since_step)
+            self._restarted_since_step = 0
         self._last_step_end = now
         self._publish(WeightVersionKind.FINAL if final else WeightVersionKind.UPDATE, report, metrics, uri)
         if uri is not None and st.offsets:

@@ -22,6 +22,10 @@ VERSION_LAG = Histogram(
     buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
 )
 SERVER_FAILURES = Counter("stream_rl_trainer_server_failures", "Servers dropped by a weight push")
+SERVERS_RESTARTED = Counter(
+    "stream_rl_trainer_servers_restarted",
+    "Live servers found holding an older version than pushed them (restarted): dropped, re-joined, re-pushed",
+)
 CHECKSUM_MISMATCH = Counter(
     "stream_rl_trainer_checksum_mismatch", "Re-trained versions whose checksum differs from the lineage"
 )

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
-from stream_rl.config import RunConfig
-from stream_rl.errors import WeightSyncError
+from stream_rl.config import RunConfig, ServerConfig
+from stream_rl.errors import InferenceError, WeightSyncError
 from stream_rl.kafka.stage import StopFlag
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,12 @@ class WeightPusher(Protocol):
     def push(
         self, version: int, named_tensors: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int
     ) -> PushOutcome: ...
+
+    def drop(self, url: str) -> bool:
+        """Take `url` out of its group now (between pushes: nothing is pending on it) and forget
+        the version it was pushed; True if it was live. Its release never blocks the caller (the
+        peer may be gone). A later `connect()` joins it afresh; the next push sends it the version."""
+        ...
 
     def close(self) -> None: ...
 
@@ -139,6 +145,9 @@ class MultiSender:
             version, [s.push(version, named_tensors, bucket_bytes) for s in self.senders]
         )
 
+    def drop(self, url: str) -> bool:
+        return any([sender.drop(url) for sender in self.senders])
+
     def close(self) -> None:
         for sender in self.senders:
             sender.close()
@@ -196,3 +205,66 @@ def rejoin_dropped(pusher: WeightPusher, urls: Sequence[str], health_timeout_s: 
             "re-joined %d dropped server(s); the next version goes to them", len(pusher.live_servers) - before
         )
     return joined
+
+
+PROBE_TIMEOUT_S = 1.0
+"""How long a server has to report the version it holds (`held_versions`)."""
+
+
+def held_versions(
+    servers: Sequence[ServerConfig], timeout_s: float = PROBE_TIMEOUT_S
+) -> dict[str, int | None]:
+    """url -> the weight version each server reports holding, read through its engine's own
+    route (the clients' `version()`: built-in `GET /v1/models`, vLLM `GET /weight_info`, SGLang
+    `GET /model_info`), all at once; None for a server that gave no usable answer within
+    `timeout_s` (down, restarting, an unknown label). Never raises."""
+    import asyncio
+
+    from stream_rl.inference.clients import make_client
+
+    async def one(server: ServerConfig) -> int | None:
+        client = make_client(str(server.engine), server.url, timeout_s=timeout_s)
+        try:
+            return await asyncio.wait_for(client.version(), timeout_s)
+        except (InferenceError, TimeoutError):
+            return None
+        finally:
+            await client.aclose()
+
+    async def every() -> list[int | None]:
+        return list(await asyncio.gather(*(one(s) for s in servers)))
+
+    return dict(zip([s.url for s in servers], asyncio.run(every()), strict=True))
+
+
+def drop_restarted(
+    pusher: WeightPusher,
+    servers: Sequence[ServerConfig],
+    pushed: int,
+    probe: Callable[[Sequence[ServerConfig]], Mapping[str, int | None]] = held_versions,
+) -> list[str]:
+    """Drop every live server that reports a version older than `pushed`, the version the
+    trainer last pushed to every live server: it was restarted since (a fresh instance serves its
+    initial weights, version 0), so it lacks the weights and its side of the group is gone, though
+    no push has failed to say so. Returns the dropped urls; `rejoin_dropped` then re-joins them and
+    the caller pushes them the current version. A server that does not answer is left alone (the
+    next probe or push finds it). Never raises."""
+    live = set(pusher.live_servers)
+    targets = [s for s in servers if s.url in live]
+    if not targets:
+        return []
+    dropped = []
+    for url, held in probe(targets).items():
+        if held is None or held >= pushed:
+            continue
+        log.warning(
+            "server %s holds version %d but was pushed version %d: it restarted since; dropping it "
+            "to re-join it and push it version %d again",
+            url,
+            held,
+            pushed,
+            pushed,
+        )
+        if pusher.drop(url):
+            dropped.append(url)
+    return dropped

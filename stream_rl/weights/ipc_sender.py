@@ -159,6 +159,16 @@ class IpcWeightSender:
         self.version = version
         return report
 
+    def drop(self, url: str) -> bool:
+        """Forget `url`'s join (it restarted); True if it was live. No group to release: the next
+        `connect()` sends it `init_ipc` again and the next push shares it the version."""
+        link = self._links.get(url)
+        if link is None or not link.live:
+            return False
+        log.info("weight sync: dropping %s (restarted): it re-joins over CUDA IPC", url)
+        link.live, link.metas, link.version = False, None, None
+        return True
+
     def _release_expired(self) -> None:
         now = time.monotonic()
         self._retained = [(t, b) for t, b in self._retained if t > now]

@@ -328,6 +328,18 @@ class WeightSender:
 
     # -- teardown ----------------------------------------------------------------------------
 
+    def drop(self, url: str) -> bool:
+        """Take `url` out of its group between pushes (the trainer found it restarted: its side of
+        the group is gone though no push failed); True if it was live. The group is released off
+        the caller's thread, as after a failed push; `connect()` then re-joins it in a new group,
+        and the next push sends it the version."""
+        link = self._links.get(url)
+        if link is None or link.group is None:
+            return False
+        log.info("weight sync: dropping %s (restarted): it re-joins in a new group", url)
+        self._drop(link)
+        return True
+
     def _drop(self, link: _Link, *, pending: bool = True) -> None:
         """Take a server out of its group.
 

@@ -138,6 +138,9 @@ class AutoSender:
             version, [s.push(version, named_tensors, bucket_bytes) for s in self._senders]
         )
 
+    def drop(self, url: str) -> bool:
+        return any([sender.drop(url) for sender in self._senders])
+
     def close(self) -> None:
         for sender in self._senders:
             sender.close()

@@ -1,6 +1,7 @@
 """Chaos: one short run through the launcher (`launcher.restart: true`) on its own broker, during
 which every stage is SIGKILLed in turn (actor, verifier, preprocessor, trainer, inference
-server) and the broker is bounced three times (down, up). Then the outside view (`outside.py`:
+server: the server right after the trainer's last push, with the actor paused until nothing more
+trains) and the broker is bounced three times (down, up). Then the outside view (`outside.py`:
 the topics decoded with the .avsc files and fastavro alone) counts loss, duplicates, lag and
 coverage. Before the outage handling, a bounce hung a run for good in 2 of 4 runs (a fenced
 static consumer went silent) or crashed stages; three bounces in one run catch that.
@@ -39,14 +40,21 @@ PLAN = [
     (4, "verifier-0"),
     (5, "bounce"),
     (7, "preprocessor-0"),
-    # The server just before the trainer: the restarted trainer joins the restarted server afresh.
-    # Open (issue 15): a server killed and restarted right after a push, while the trainer lives,
-    # is still taken for holding the version on the trainer's side; nothing re-pushes it and the run
-    # waits (the actor holds problems until a server holds the current version).
-    (8, "server-0"),
-    (8, "trainer"),
-    (10, "bounce"),
+    # The server right after the last push, the trainer alive (issue 15 item 2): the actor is
+    # paused until no version comes (what was sampled is trained), then the server is killed and the
+    # actor resumed. No push fails on the server, so only the trainer's idle version probe finds it
+    # restarted (holding version 0) and re-pushes it; before, nothing did and the run waited for the
+    # watchdog (the actor routes to no server older than the bound). A kill while samples are still
+    # in flight would mostly be found by the next push failing, the path the other kills take.
+    (8, "drained server-0"),
+    (11, "bounce"),
+    (12, "trainer"),
 ]
+QUIET_S = 10.0
+"""After pausing the actor, no new version for this long: the trainer has pushed its last one (the
+two steps in flight at `max_lag` 1 train within ~3 s here; on a machine loaded several times over a
+step can take longer, then the kill falls before the last push, which fails and drops the server:
+the path the other kills take)."""
 
 
 def _versions(consumer: ck.Consumer, decoder: Decoder, seen: dict[int, dict[str, Any]]) -> int:
@@ -55,6 +63,24 @@ def _versions(consumer: ck.Consumer, decoder: Decoder, seen: dict[int, dict[str,
             _name, wv = decoder.decode(m.value())
             seen.setdefault(wv["version"], wv)
     return max(seen, default=-1)
+
+
+def _drain_then_kill(
+    pids: dict[str, int], reader: ck.Consumer, decoder: Decoder, seen: dict[int, dict[str, Any]]
+) -> int:
+    """Pause actor-0 until no version comes for `QUIET_S` (at most 60 s), SIGKILL server-0, resume
+    the actor; returns the last version pushed before the kill."""
+    os.kill(pids["actor-0"], signal.SIGSTOP)
+    try:
+        last, quiet_since, limit = max(seen, default=-1), time.monotonic(), time.monotonic() + 60
+        while time.monotonic() - quiet_since < QUIET_S and time.monotonic() < limit:
+            version = _versions(reader, decoder, seen)
+            if version != last:
+                last, quiet_since = version, time.monotonic()
+        os.kill(pids["server-0"], signal.SIGKILL)
+    finally:
+        os.kill(pids["actor-0"], signal.SIGCONT)
+    return last
 
 
 def _up(broker: Any) -> None:
@@ -129,13 +155,15 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             version = _versions(reader, decoder, seen)
             if plan and version >= plan[0][0]:
                 _at, action = plan.pop(0)
+                pids = json.loads((run_dir / "processes.json").read_text())["pids"]
                 if action == "bounce":
                     broker.down(quiet=True)
                     time.sleep(1)
                     _up(broker)
+                elif action == "drained server-0":
+                    version = _drain_then_kill(pids, reader, decoder, seen)
                 else:
-                    pid = json.loads((run_dir / "processes.json").read_text())["pids"][action]
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(pids[action], signal.SIGKILL)
                 done.append(f"{action}@{version}")
         if proc.poll() is None:
             proc.kill()

@@ -147,6 +147,31 @@ def test_push_is_bit_exact_with_the_default_group_initialised(spawn: Spawn) -> N
         dist.destroy_process_group()
 
 
+def test_a_server_restarted_between_pushes_is_dropped_and_rejoins_in_a_new_group(spawn: Spawn) -> None:
+    # Killed and restarted right after a push: no push failed, so the sender still counts it live
+    # at that version; `drop` (the trainer found it holding an older one) makes it re-join afresh.
+    kept, restarted_one = spawn({}, {})
+    sender = WeightSender(
+        [ServerEndpoint(s.url) for s in (kept, restarted_one)], master_port=0, timeout_s=5.0
+    )
+    try:
+        assert sender.connect() == {}
+        named = perturbed(small_model(), 2)
+        assert set(sender.push(4, named, 256).updated) == {kept.url, restarted_one.url}
+        restarted_one.kill()
+        (back,) = spawn({}, port=restarted_one.port)
+        assert sender.live_servers == [kept.url, back.url]  # nothing told the sender
+        assert sender.drop(back.url) and not sender.drop(back.url)
+        assert sender.live_servers == [kept.url]
+        assert sender.connect() == {}
+        again = sender.push(4, named, 256)
+        assert list(again.per_server) == [back.url] and not again.failed
+        assert back.checksum() == {"checksum": weights_checksum(named), "version": 4}
+        assert kept.checksum() == {"checksum": weights_checksum(named), "version": 4}
+    finally:
+        sender.close()
+
+
 def test_failed_servers_are_dropped_and_a_restarted_one_rejoins(spawn: Spawn) -> None:
     live, killed, hung, dying = spawn({}, {}, {"stall": True}, {"die_after": 2})
     timeout_s = 3.0

@@ -81,3 +81,22 @@ def test_connect_raises_when_no_server_joins() -> None:
 def test_dtype_names_are_the_engines_spelling() -> None:
     assert dtype_name(torch.zeros(1, dtype=torch.bfloat16)) == "bfloat16"
     assert dtype_name(torch.zeros(1)) == "float32"
+
+
+def test_drop_takes_a_live_server_out_so_that_connect_rejoins_it_afresh() -> None:
+    released: list[Any] = []
+
+    class Releasing(FakeEngine):
+        def _release(self, handle: Any, *, pending: bool) -> None:
+            released.append((handle, pending))
+
+    tensors = [("w", torch.zeros(2, dtype=torch.bfloat16))]
+    with Releasing(["http://a", "http://b"], refuse=set(), fail=set()) as sender:
+        sender.connect()
+        sender.push(3, tensors, 1 << 20)
+        assert sender.drop("http://b") and not sender.drop("http://b") and not sender.drop("http://x")
+        assert sender.live_servers == ["http://a"]
+        assert released == [("group:http://b", True)]  # off the caller's thread: the peer may be gone
+        assert sender.connect() == {}
+        again = sender.push(3, tensors, 1 << 20)
+        assert list(again.per_server) == ["http://b"]  # the version again, to it only

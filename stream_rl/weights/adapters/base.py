@@ -154,6 +154,17 @@ class EngineSender(ABC):
             report.broadcast_ms = max(report.broadcast_ms, elapsed)
         return report
 
+    def drop(self, url: str) -> bool:
+        """Take `url` out of its group between pushes (it restarted: its side of the group is
+        gone); True if it was live. Released as after a failed update (off this thread: a group
+        whose peer died may block its release); `connect()` then re-joins it afresh."""
+        server = self._servers.get(url)
+        if server is None or server.handle is None:
+            return False
+        log.info("%s weight sync: dropping %s (restarted): it re-joins in a new group", self.engine, url)
+        self._drop(server)
+        return True
+
     def _drop(self, server: _Server, *, pending: bool = True) -> None:
         handle, server.handle, server.version = server.handle, None, None
         if handle is not None:
