@@ -24,7 +24,8 @@ _SHARED: dict[str, Any] = {}
 
 
 def _is_xdist_controller(config: pytest.Config) -> bool:
-    return getattr(config.option, "numprocesses", None) not in (None, 0) and not hasattr(config, "workerinput")
+    workers = getattr(config.option, "numprocesses", None)
+    return workers not in (None, 0) and not hasattr(config, "workerinput")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -141,7 +141,8 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         }
     )
     try:
-        deadline = time.monotonic() + 620  # a bound for a hung run; ~4 min on 2 cores beside 2 other xdist workers
+        # A bound for a hung run (~4 min on 2 cores beside two other xdist workers).
+        deadline = time.monotonic() + 620
         plan = list(PLAN)
         assigned = False
         while proc.poll() is None and time.monotonic() < deadline:
