@@ -1,0 +1,124 @@
+"""`inference:`: the servers (launched or given), their engine and its options."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+
+from stream_rl.config.base import ADMIN_TOKEN_ENV, Model
+
+ENGINES = ("builtin", "vllm", "sglang")
+Engine = Literal["builtin", "vllm", "sglang"]
+
+
+def normalize_url(url: str) -> str:
+    """The one spelling of a server's base URL (no trailing `/`): rollouts' `server_id`, the
+    trainer's `servers_updated` and routing all name a server by it."""
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")) or url[-3:] == "://":
+        raise ValueError(f"expected a base URL like http://host:port, got {url!r}")
+    return url
+
+
+class ServerConfig(Model):
+    url: str
+    """Base URL of an inference server, e.g. `http://127.0.0.1:8001` (a trailing `/` is dropped)."""
+    engine: Engine | None = None
+    """The server's engine (None: `inference.engine`)."""
+
+    @field_validator("url")
+    @classmethod
+    def _normalize(cls, value: str) -> str:
+        return normalize_url(value)
+
+
+class VLLMConfig(Model):
+    """How the launcher starts vLLM servers (`inference.engine: vllm`), and how the trainer talks
+    to them. README "Engines" lists the flags and why."""
+
+    python: str | None = None
+    """Python of the vLLM environment (None: `.venv-vllm/bin/python` if it exists, from `make vllm`,
+    else `python3`)."""
+    weight_transfer: Literal["auto", "stream_rl_gloo", "nccl"] = "auto"
+    """vLLM weight-transfer backend: `stream_rl_gloo` (our plugin, CPU), `nccl` (vLLM's, GPU);
+    `auto` picks by `inference.device`."""
+    max_model_len: int | None = Field(None, ge=16)
+    """`--max-model-len` (None: the model's own maximum)."""
+    kv_cache_gib: int = Field(1, ge=1)
+    """CPU only: the KV cache size (`VLLM_CPU_KVCACHE_SPACE`, GiB)."""
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    """GPU only: `--gpu-memory-utilization` (None: vLLM's default)."""
+    pause_lease_s: float = Field(120.0, gt=0)
+    """A server paused by a trainer that never resumes it resumes itself after this
+    (`stream_rl.weights.vllm_guard`)."""
+    startup_timeout_s: float = Field(600.0, gt=0)
+    """How long the launcher waits for a vLLM server to answer /health (CPU start-up takes minutes)."""
+    extra_args: list[str] = Field(default_factory=list)
+    """More `vllm serve` arguments, passed as they are."""
+
+
+class SGLangConfig(Model):
+    """How the launcher starts SGLang servers (`inference.engine: sglang`, CUDA only; unverified)."""
+
+    python: str | None = None
+    """Python of the SGLang environment (None: `python3`)."""
+    startup_timeout_s: float = Field(600.0, gt=0)
+    """How long the launcher waits for an SGLang server to answer /health."""
+    extra_args: list[str] = Field(default_factory=list)
+    """More `sglang.launch_server` arguments, passed as they are."""
+
+
+class InferenceConfig(Model):
+    num_servers: int = Field(1, ge=0)
+    """Built-in servers the launcher starts (0 when `servers` points at running ones)."""
+    servers: list[ServerConfig] = Field(default_factory=list)
+    """Servers already running; when set, the launcher starts none."""
+    host: str = "127.0.0.1"
+    """Bind address of launched servers."""
+    base_port: int = Field(8100, ge=1, le=65535)
+    """First port of launched servers (server i listens on base_port + i)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Device of the built-in engine."""
+    engine: Engine = "builtin"
+    """Inference engine of the launched servers (and of `servers` that name none): `builtin`
+    (stream-rl's own), `vllm` (CPU build verified, GPU unverified), `sglang` (GPU, unverified)."""
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+    """vLLM servers (`engine: vllm`)."""
+    sglang: SGLangConfig = Field(default_factory=SGLangConfig)
+    """SGLang servers (`engine: sglang`)."""
+    max_batch: int = Field(64, ge=1)
+    """Maximum sequences decoded together (continuous batching)."""
+    kv_policy: Literal["keep", "recompute"] = "keep"
+    """After an in-flight update: keep the old-weight KV cache (PipelineRL) or recompute it."""
+    admin_token: SecretStr | None = Field(
+        default_factory=lambda: SecretStr(t) if (t := os.environ.get(ADMIN_TOKEN_ENV)) else None
+    )
+    """Bearer token required by `/weights/*` when set (default: $STREAM_RL_ADMIN_TOKEN). Never
+    written into run directories: the launcher passes it to its children in the environment."""
+    torch_threads: int = Field(1, ge=1)
+    """torch intra-op threads per server process."""
+    weights_timeout_s: float = Field(60.0, gt=0)
+    """Timeout of the weight-sync group's collectives on the server side (join, each update)."""
+    seed: int | None = None
+    """Seed of the sampling of requests that carry no seed (None: fresh entropy per server start)."""
+
+    def server_list(self) -> list[ServerConfig]:
+        """The run's servers: `servers` when set, else the `num_servers` the launcher starts at
+        `http://{host}:{base_port + i}`, each with its engine resolved."""
+        if self.servers:
+            return [ServerConfig(url=s.url, engine=s.engine or self.engine) for s in self.servers]
+        return [
+            ServerConfig(url=f"http://{self.host}:{self.base_port + i}", engine=self.engine)
+            for i in range(self.num_servers)
+        ]
+
+    def server_urls(self) -> list[str]:
+        return [s.url for s in self.server_list()]
+
+    def vllm_backend(self) -> str:
+        """The vLLM weight-transfer backend: `vllm.weight_transfer`, or by `device` when `auto`."""
+        if self.vllm.weight_transfer != "auto":
+            return self.vllm.weight_transfer
+        return "nccl" if self.device == "cuda" else "stream_rl_gloo"

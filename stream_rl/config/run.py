@@ -1,0 +1,114 @@
+"""`RunConfig`: every section composed, and the checks that span sections."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from stream_rl.config.base import Model
+from stream_rl.config.inference import InferenceConfig
+from stream_rl.config.kafka import KafkaConfig
+from stream_rl.config.stages import (
+    ActorConfig,
+    EvalConfig,
+    LauncherConfig,
+    LoaderConfig,
+    ModelConfig,
+    PreprocessorConfig,
+    TaskConfig,
+    TrackConfig,
+    TrainerConfig,
+    VerifierConfig,
+)
+
+
+class RunConfig(Model):
+    run: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+    """Run name: the topic namespace and `runs/<run>/`."""
+    mode: Literal["pipeline", "conventional"] = "pipeline"
+    """`pipeline`: in-flight updates, admission bounded by max_lag. `conventional`: one step's worth
+    of samples per version, updates only between batches (the paper's baseline)."""
+    in_flight_updates: bool = True
+    """Update weights while sequences decode (PipelineRL). False: the servers the launcher starts
+    (`stream-rl serve --swap-policy between_sequences`) hold admission once an update arrives, let
+    the running sequences finish on the old weights, then install it, so every sequence is sampled
+    by one version; the trainer's push waits for that drain. Servers in `inference.servers` are
+    started by the user, with the flag of their choice."""
+    seed: int = 0
+    """Global seed (loader order, sampling)."""
+    runs_dir: str = "runs"
+    """Where runs write configs, logs, checkpoints, plots."""
+    kafka: KafkaConfig = Field(default_factory=KafkaConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    loader: LoaderConfig = Field(default_factory=LoaderConfig)
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    verifier: VerifierConfig = Field(default_factory=VerifierConfig)
+    preprocessor: PreprocessorConfig = Field(default_factory=PreprocessorConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    track: TrackConfig = Field(default_factory=TrackConfig)
+    launcher: LauncherConfig = Field(default_factory=LauncherConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        if self.mode == "conventional" and self.trainer.samples_per_step % self.actor.group_size:
+            raise ValueError(
+                "trainer.samples_per_step must be a multiple of actor.group_size in conventional mode"
+            )
+        inf = self.inference
+        engines = {s.engine for s in inf.server_list()}
+        if "sglang" in engines and inf.device != "cuda":
+            raise ValueError(
+                "inference.engine: sglang needs inference.device: cuda (SGLang has no CPU build that runs here)"
+            )
+        if "sglang" in engines and self.trainer.device != "cuda":
+            raise ValueError(
+                "inference.engine: sglang needs trainer.device: cuda (its weights travel over NCCL)"
+            )
+        tcfg = self.trainer
+        if tcfg.weight_transport in ("nccl", "cuda_ipc") and tcfg.device != "cuda":
+            raise ValueError(
+                f"trainer.weight_transport: {tcfg.weight_transport} needs trainer.device: cuda (use gloo or auto on CPU)"
+            )
+        if tcfg.weight_transport != "auto" and engines and "builtin" not in engines:
+            raise ValueError(
+                "trainer.weight_transport applies to built-in servers only; set inference.vllm.weight_transfer for vLLM"
+            )
+        if tcfg.weight_transport in ("nccl", "cuda_ipc") and not inf.servers and inf.device != "cuda":
+            raise ValueError(
+                f"trainer.weight_transport: {tcfg.weight_transport} needs inference.device: cuda for launched servers"
+            )
+        if self.model.attn_implementation == "flash_attention_2":
+            problem = flash_attention_problem(self.model.dtype, [tcfg.device, inf.device])
+            if problem:
+                raise ValueError(problem)
+        if self.model.dtype == "float16" and tcfg.backend == "torch":
+            raise ValueError(
+                "model.dtype: float16 is not trained by trainer.backend: torch (no loss scaling); use bfloat16, or deepspeed"
+            )
+        if "vllm" in engines and inf.vllm_backend() == "nccl" and self.trainer.device != "cuda":
+            raise ValueError(
+                "inference.vllm.weight_transfer: nccl needs trainer.device: cuda (use stream_rl_gloo on CPU)"
+            )
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.runs_dir) / self.run
+
+
+def flash_attention_problem(dtype: str, devices: list[str]) -> str | None:
+    """Why `model.attn_implementation: flash_attention_2` cannot run here (None: it can)."""
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is None:
+        return "model.attn_implementation: flash_attention_2 needs the flash-attn package, which is not installed (use sdpa)"
+    if any(d != "cuda" for d in devices):
+        return "model.attn_implementation: flash_attention_2 runs on CUDA only (use sdpa on CPU)"
+    if dtype == "float32":
+        return "model.attn_implementation: flash_attention_2 needs model.dtype bfloat16 or float16"
+    return None
