@@ -1,14 +1,17 @@
-"""VersionFollower: keeps the latest weight version of a run."""
+"""VersionFollower keeps the latest weight version of a run; RecordFollower a bounded window."""
 
 from __future__ import annotations
 
-import pytest
-from fakes.records import make_weight_version
+import time
 
-from stream_rl.kafka.follower import VersionFollower
+import pytest
+from fakes.records import make_eval_result, make_weight_version
+
+from stream_rl.contracts import EvalResult
+from stream_rl.kafka.follower import RecordFollower, VersionFollower
 from stream_rl.kafka.memory import MemoryTransport
 from stream_rl.kafka.serde import default_serde
-from stream_rl.kafka.topics import WEIGHT_VERSIONS, TopicNames
+from stream_rl.kafka.topics import EVAL_RESULTS, WEIGHT_VERSIONS, TopicNames
 
 pytestmark = pytest.mark.unit
 
@@ -30,5 +33,30 @@ def test_follows_versions_and_waits() -> None:
         assert latest is not None and latest.version == 2
         assert [w.version for w in follower.drain()] == [0, 1, 2]
         assert follower.drain() == []  # handed over once: the follower keeps nothing
+    finally:
+        follower.stop()
+
+
+def test_record_follower_keeps_a_bounded_window_and_hands_each_record_over_once() -> None:
+    """A long run's eval-results cost the launcher, the trainer (`eval.pin`) and the trackers the
+    same memory as a short one's: `records` is the last `keep`, `drain()` hands each over once."""
+    t = MemoryTransport()
+    names = TopicNames(run="r")
+    t.create_topics(names.all_topics())
+    topic = names[EVAL_RESULTS]
+    follower = RecordFollower(t, topic, EvalResult, "evals", keep=8, keep_history=True).start()
+    try:
+        p = t.producer("evaluator")
+        drained: list[int] = []
+        for v in range(0, 500, 10):
+            p.produce(topic, default_serde().encode(make_eval_result(v)), key="r")
+        deadline = time.monotonic() + 5
+        while len(drained) < 50 and time.monotonic() < deadline:
+            drained += [ev.version for ev in follower.drain()]
+            time.sleep(0.01)
+        assert drained == list(range(0, 500, 10))
+        assert [ev.version for ev in follower.records] == list(range(420, 500, 10))
+        assert follower.drain() == []
+        assert len(follower._pending) == 0 and len(follower._records) == 8  # noqa: SLF001 - the bound
     finally:
         follower.stop()
