@@ -144,17 +144,27 @@ def summarize(samples: dict[str, list[list[float]]], warmup: float) -> list[dict
     return rows
 
 
+def add_per_version(rows: list[dict[str, Any]], versions_per_min: float | None) -> None:
+    """KiB per trained version: the slope without the machine's speed in it (a loaded machine
+    trains fewer versions a minute, and per-record growth then looks smaller per minute)."""
+    for r in rows:
+        r["kib_per_version"] = (
+            r["rss_slope_mib_per_min"] * 1024 / versions_per_min if versions_per_min else None
+        )
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
         f"{'process':<14} {'RSS warm':>9} {'RSS end':>9} {'MiB/min':>8} {'±':>6} {'2nd half':>8} "
-        f"{'anon':>7} {'CPU s':>7} {'share':>6}  goal"
+        f"{'anon':>7} {'KiB/ver':>8} {'CPU s':>7} {'share':>6}  goal"
     )
     for r in rows:
+        per_version = r.get("kib_per_version")
         print(
             f"{r['process']:<14} {r['rss_warm_mib'] or 0:9.1f} {r['rss_end_mib'] or 0:9.1f} "
             f"{r['rss_slope_mib_per_min']:8.3f} {r['rss_slope_stderr']:6.3f} {r['rss_slope_last_half']:8.3f} "
-            f"{r['anon_slope_mib_per_min']:7.3f} {r['cpu_s']:7.1f} {r['cpu_share']:6.3f}  "
-            f"{'ok' if r['meets_goal'] else 'OVER'}"
+            f"{r['anon_slope_mib_per_min']:7.3f} {'-' if per_version is None else f'{per_version:.3f}':>8} "
+            f"{r['cpu_s']:7.1f} {r['cpu_share']:6.3f}  {'ok' if r['meets_goal'] else 'OVER'}"
         )
 
 
@@ -345,10 +355,11 @@ def main() -> int:
         broker.down(quiet=True)
 
     rows = summarize(samples, args.warmup)
+    versions = _versions(work / "runs", args.warmup)
+    add_per_version(rows, versions["per_min"] if versions else None)
     print_table(rows)
-    versions = _versions(work / "runs")
     if versions:
-        print(f"versions trained: {versions['last']} ({versions['per_min']:.0f}/min)")
+        print(f"versions trained: {versions['last']} ({versions['per_min']:.1f}/min after the warm-up)")
     out = REPO / "bench" / "results" / f"{args.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
@@ -375,13 +386,16 @@ def main() -> int:
     return 0
 
 
-def _versions(runs: Path) -> dict[str, float] | None:
-    """The last version the run's timeline records, and versions per minute over the run."""
+def _versions(runs: Path, warmup: float) -> dict[str, float] | None:
+    """The last version the run's timeline records, and versions per minute after the warm-up
+    (the timeline's clock starts with the launcher, about when the soak's does)."""
     for path in runs.glob("*/timeline.jsonl"):
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         vs = [r for r in rows if r.get("kind") == "version"]
-        if len(vs) >= 2 and vs[-1]["t"] > vs[0]["t"]:
-            return {"last": vs[-1]["version"], "per_min": (len(vs) - 1) / ((vs[-1]["t"] - vs[0]["t"]) / 60)}
+        after = [r for r in vs if r["t"] >= warmup * 60]
+        if len(after) >= 2 and after[-1]["t"] > after[0]["t"]:
+            per_min = (after[-1]["version"] - after[0]["version"]) / ((after[-1]["t"] - after[0]["t"]) / 60)
+            return {"last": vs[-1]["version"], "per_min": per_min}
     return None
 
 

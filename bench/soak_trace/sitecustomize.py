@@ -2,8 +2,10 @@
 
 `bench/soak.py --trace` puts this directory on the launcher's PYTHONPATH (the launcher hands its
 environment to every child), so each Python process imports this module at start-up. With
-`STREAM_RL_SOAK_TRACE=<dir>` set it starts tracemalloc (`STREAM_RL_SOAK_TRACE_FRAMES` frames per
-allocation) and dumps a snapshot every `STREAM_RL_SOAK_TRACE_EVERY` seconds to
+`STREAM_RL_SOAK_TRACE=<dir>` set it starts tracemalloc `STREAM_RL_SOAK_TRACE_DELAY` seconds after
+the process starts (tracing imports of torch and transformers would take minutes),
+with `STREAM_RL_SOAK_TRACE_FRAMES` frames per allocation, and dumps a snapshot every
+`STREAM_RL_SOAK_TRACE_EVERY` seconds to
 `<dir>/<pid>-<n>.snap`, with `<dir>/<pid>.argv` naming the process. Tracing slows a process and
 costs memory per live allocation: a traced run finds what grows, its RSS figures are not the soak's.
 """
@@ -25,7 +27,8 @@ def _start(directory: str) -> None:
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    tracemalloc.start(int(os.environ.get("STREAM_RL_SOAK_TRACE_FRAMES", "6")))
+    frames = int(os.environ.get("STREAM_RL_SOAK_TRACE_FRAMES", "6"))
+    delay = float(os.environ.get("STREAM_RL_SOAK_TRACE_DELAY", "30"))
     every = float(os.environ.get("STREAM_RL_SOAK_TRACE_EVERY", "60"))
     pid = os.getpid()
     cmdline = Path("/proc/self/cmdline").read_bytes().decode(errors="replace").split("\0")
@@ -33,6 +36,8 @@ def _start(directory: str) -> None:
     started = time.monotonic()
 
     def dump() -> None:
+        time.sleep(delay)
+        tracemalloc.start(frames)
         n = 0
         while True:
             time.sleep(every)
