@@ -115,11 +115,14 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return b, math.sqrt(resid / (n - 2) / den)
 
 
-def summarize(samples: dict[str, list[list[float]]], warmup: float) -> list[dict[str, Any]]:
-    """One row per process from its samples [(minutes, cpu_s, rss_mib, anon_mib)]."""
+def summarize(
+    samples: dict[str, list[list[float]]], warmup: float, end: float = math.inf
+) -> list[dict[str, Any]]:
+    """One row per process from its samples [(minutes, cpu_s, rss_mib, anon_mib)] between the
+    warm-up and `end` (the run's wall limit: later samples are the stop, processes exiting)."""
     rows = []
     for name, pts in sorted(samples.items()):
-        window = [p for p in pts if p[0] >= warmup]
+        window = [p for p in pts if warmup <= p[0] <= end]
         rss = [(p[0], p[2]) for p in window]
         anon = [(p[0], p[3]) for p in window]
         half = [p for p in rss if p[0] >= (rss[0][0] + rss[-1][0]) / 2] if rss else []
@@ -135,7 +138,8 @@ def summarize(samples: dict[str, list[list[float]]], warmup: float) -> list[dict
                 "anon_slope_mib_per_min": fit(anon)[0],
                 "cpu_s": max(window[-1][1] - window[0][1], 0.0) if len(window) > 1 else 0.0,
                 "measured_min": rss[-1][0] - rss[0][0] if rss else 0.0,
-                "meets_goal": bool(rss) and slope <= GOAL_MIB_PER_MIN,
+                "meets_goal": (slope <= GOAL_MIB_PER_MIN) if len(rss) >= 3 else None,
+                # None: too few samples after the warm-up (a process that ended, e.g. the loader).
             }
         )
     total = sum(r["cpu_s"] for r in rows) or 1.0
@@ -164,12 +168,20 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{r['process']:<14} {r['rss_warm_mib'] or 0:9.1f} {r['rss_end_mib'] or 0:9.1f} "
             f"{r['rss_slope_mib_per_min']:8.3f} {r['rss_slope_stderr']:6.3f} {r['rss_slope_last_half']:8.3f} "
             f"{r['anon_slope_mib_per_min']:7.3f} {'-' if per_version is None else f'{per_version:.3f}':>8} "
-            f"{r['cpu_s']:7.1f} {r['cpu_share']:6.3f}  {'ok' if r['meets_goal'] else 'OVER'}"
+            f"{r['cpu_s']:7.1f} {r['cpu_share']:6.3f}  {_verdict(r['meets_goal'])}"
         )
 
 
+def _verdict(meets: bool | None) -> str:
+    return "-" if meets is None else "ok" if meets else "OVER"
+
+
 def plot(
-    samples: dict[str, list[list[float]]], rows: list[dict[str, Any]], warmup: float, path: Path
+    samples: dict[str, list[list[float]]],
+    rows: list[dict[str, Any]],
+    warmup: float,
+    path: Path,
+    end: float = math.inf,
 ) -> None:
     """RSS against time, one panel per process (their sizes differ by 100x), warm-up shaded, the
     fitted line over the measured window."""
@@ -188,7 +200,11 @@ def plot(
         ax.plot(ts, [p[2] for p in pts], "-", lw=1.2, color="tab:blue", label="RSS")
         ax.plot(ts, [p[3] for p in pts], "-", lw=0.8, color="tab:grey", label="anonymous RSS")
         ax.axvspan(0, warmup, color="grey", alpha=0.15, lw=0)
-        after = [p for p in pts if p[0] >= warmup]
+        after = [p for p in pts if warmup <= p[0] <= end]
+        if after:  # zoomed on the measured window: the start-up's climb would flatten any slope
+            lo = min(min(p[2], p[3]) for p in after)
+            hi = max(p[2] for p in after)
+            ax.set_ylim(lo - 0.05 * (hi - lo) - 1, hi + 0.05 * (hi - lo) + 1)
         if len(after) >= 2 and row["rss_warm_mib"] is not None:
             mt = sum(p[0] for p in after) / len(after)
             my = sum(p[2] for p in after) / len(after)
@@ -197,11 +213,11 @@ def plot(
             ax.plot(
                 [t0, t1], [my + b * (t0 - mt), my + b * (t1 - mt)], "--", color="tab:red", lw=1.0, label="fit"
             )
-        verdict = "ok" if row["meets_goal"] else "over"
+        verdict = _verdict(row["meets_goal"]).lower()
         ax.set_title(
             f"{row['process']}: {row['rss_slope_mib_per_min']:+.3f} MiB/min ({verdict})",
             fontsize=10,
-            color="black" if row["meets_goal"] else "tab:red",
+            color="tab:red" if row["meets_goal"] is False else "black",
         )
         ax.set_xlabel("minutes")
         ax.set_ylabel("MiB")
@@ -354,7 +370,7 @@ def main() -> int:
         log.close()
         broker.down(quiet=True)
 
-    rows = summarize(samples, args.warmup)
+    rows = summarize(samples, args.warmup, args.minutes)
     versions = _versions(work / "runs", args.warmup)
     add_per_version(rows, versions["per_min"] if versions else None)
     print_table(rows)
@@ -381,7 +397,7 @@ def main() -> int:
         print_trace(result["trace"])
     out.write_text(json.dumps(result, indent=1))
     png = out.with_suffix(".png")
-    plot(samples, rows, args.warmup, png)
+    plot(samples, rows, args.warmup, png, args.minutes)
     print(f"wrote {out} and {png}; run log {work / 'launcher.log'}")
     return 0
 
