@@ -44,10 +44,12 @@ class RunMonitor:
         self._timeline_path = self.run_dir / "timeline.jsonl"
         self._timeline: IO[str] | None = None
         self._follower = VersionFollower(self.kafka, self.names, client_id="launcher", keep_history=True)
-        self._evals = RecordFollower(self.kafka, self.names[EVAL_RESULTS], EvalResult, "launcher-evals")
+        self._evals = RecordFollower(
+            self.kafka, self.names[EVAL_RESULTS], EvalResult, "launcher-evals", keep_history=True
+        )
         self.since_version = since_version
-        self.evals: list[EvalResult] = []
-        self._evals_seen = 0
+        self.last_eval: EvalResult | None = None
+        """The latest evaluation of this invocation's versions (the timeline has them all)."""
         self._lag = LagExporter(self.kafka, self.names)  # also served on the launcher's /metrics
         self._last_version: WeightVersion | None = None
         self._step_offsets = 0
@@ -119,13 +121,11 @@ class RunMonitor:
             if self._last_version is not None and wv.version == self._last_version.version + 1:
                 self._step_offsets = max(consumed - self._consumed(self._last_version), 0)
             self._last_version = wv
-        evals = self._evals.records
-        for ev in evals[self._evals_seen :]:
+        for ev in self._evals.drain():
             if self.since_version is not None and ev.version <= self.since_version:
                 continue
-            self.evals.append(ev)
+            self.last_eval = ev
             self._write({"kind": "eval", **ev.to_dict()})
-        self._evals_seen = len(evals)
         now = time.time()
         if now - self._last_sample >= SAMPLE_EVERY_S:
             self._last_sample = now
@@ -138,8 +138,9 @@ class RunMonitor:
                 "lag": f"{last.metrics.get('version_lag_mean', float('nan')):.2f}",
                 "samples_s": f"{last.samples_trained / elapsed:.1f}",
             }
-            if self.evals and self.evals[-1].pass_at_1 is not None:
-                postfix["eval"] = f"{self.evals[-1].pass_at_1:.3f}@v{self.evals[-1].version}"
+            shown = self.last_eval
+            if shown is not None and shown.pass_at_1 is not None:
+                postfix["eval"] = f"{shown.pass_at_1:.3f}@v{shown.version}"
             self._bar.set_postfix(postfix, refresh=False)
 
     def _sample(self) -> None:
@@ -171,7 +172,8 @@ class RunMonitor:
         return sum(o.offset for o in (wv.consumed_offsets if wv else []) if o.topic == topic)
 
     def has_eval(self, version: int) -> bool:
-        """Whether the eval-results of `version` has been seen."""
+        """Whether the eval-results of `version` has been seen (among the follower's last records:
+        asked for the final version, whose evaluation is the last one published)."""
         return any(ev.version == version for ev in self._evals.records)
 
     def close(self) -> None:

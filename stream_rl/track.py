@@ -159,19 +159,24 @@ def follow(config: RunConfig, transport: Transport, sinks: list[Sink], stop: Sto
 
     names = TopicNames(run=config.run, prefix=config.kafka.prefix)
     versions = VersionFollower(transport, names, client_id="track-versions", keep_history=True).start()
-    evals = RecordFollower(transport, names[EVAL_RESULTS], EvalResult, "track-evals").start()
+    evals = RecordFollower(
+        transport, names[EVAL_RESULTS], EvalResult, "track-evals", keep_history=True
+    ).start()
     params = flat_params(config)
     for sink in sinks:
         sink.params(params)
-    seen_v: set[int] = set()
-    seen_e = 0
+    # The newest version logged (a version published again, after a trainer restart, is skipped)
+    # and how many were logged: a run of any length costs the tracker the same memory.
+    last_v = -1
+    logged = 0
     final_at: float | None = None
     try:
         while not stop:
             for wv in versions.drain():
-                if wv.version in seen_v:
+                if wv.version <= last_v:
                     continue
-                seen_v.add(wv.version)
+                last_v = wv.version
+                logged += 1
                 metrics = version_metrics(wv)
                 lag: dict[str, float] = {}
                 for x in run_lags(transport, names, with_age=False):
@@ -181,21 +186,18 @@ def follow(config: RunConfig, transport: Transport, sinks: list[Sink], stop: Sto
                     sink.log(wv.version, {**metrics, **lag}, wv.created_ms)
                 if wv.kind == WeightVersionKind.FINAL:
                     final_at = time.monotonic()
-            records = evals.records
-            for ev in records[seen_e:]:
+            for ev in evals.drain():
                 for sink in sinks:
                     sink.log(ev.version, eval_metrics(ev), ev.finished_ms)
-            seen_e = len(records)
             if final_at is not None:
-                final = max(seen_v)
-                evaluated = not config.eval.every or any(ev.version == final for ev in records)
+                evaluated = not config.eval.every or any(ev.version == last_v for ev in evals.records)
                 if evaluated or time.monotonic() - final_at > config.eval.timeout_s:
                     break
             time.sleep(0.5)
     finally:
         versions.stop()
         evals.stop()
-    return len(seen_v)
+    return logged
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

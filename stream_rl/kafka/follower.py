@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -123,8 +124,10 @@ class VersionFollower:
 
 class RecordFollower(Generic[C]):
     """Follows one single-partition topic of contract records from the start (no group): `records`
-    holds every record decoded so far, in log order. Undecodable records are logged and skipped.
-    The launcher and the trackers follow `eval-results` with it."""
+    holds the last `keep` records decoded, in log order; with `keep_history`, `drain()` hands over
+    every one decoded since the last call (the caller keeps what it needs: a follower costs the same
+    memory after a thousand evaluations as after one). Undecodable records are logged and skipped.
+    The launcher, the trainer (`eval.pin`) and the trackers follow `eval-results` with it."""
 
     def __init__(
         self,
@@ -134,6 +137,8 @@ class RecordFollower(Generic[C]):
         client_id: str,
         serde: Serde | None = None,
         on_record: Callable[[C], None] | None = None,
+        keep: int = 64,
+        keep_history: bool = False,
     ) -> None:
         self._transport = transport
         self._topic = topic
@@ -141,8 +146,10 @@ class RecordFollower(Generic[C]):
         self._client_id = client_id
         self._serde = serde or default_serde()
         self._on_record = on_record
+        self._keep_history = keep_history
         self._lock = threading.Lock()
-        self._records: list[C] = []
+        self._records: deque[C] = deque(maxlen=keep)
+        self._pending: list[C] = []
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"{client_id}-thread", daemon=True)
@@ -164,6 +171,8 @@ class RecordFollower(Generic[C]):
                         continue
                     with self._lock:
                         self._records.append(record)
+                        if self._keep_history:
+                            self._pending.append(record)
                     if self._on_record:
                         self._on_record(record)
         except BaseException as exc:  # noqa: BLE001 - surfaced to the owner through `records`
@@ -171,12 +180,23 @@ class RecordFollower(Generic[C]):
         finally:
             consumer.close()
 
-    @property
-    def records(self) -> list[C]:
+    def _check(self) -> None:
         if self._error is not None:
             raise self._error
+
+    @property
+    def records(self) -> list[C]:
+        """The last `keep` records decoded, oldest first."""
+        self._check()
         with self._lock:
             return list(self._records)
+
+    def drain(self) -> list[C]:
+        """The records decoded since the last call (with `keep_history`), oldest first."""
+        self._check()
+        with self._lock:
+            out, self._pending = self._pending, []
+        return out
 
     def stop(self) -> None:
         self._stop.set()

@@ -1,14 +1,17 @@
-"""VersionFollower: keeps the latest weight version of a run."""
+"""VersionFollower keeps the latest weight version of a run; RecordFollower a bounded window."""
 
 from __future__ import annotations
 
-import pytest
-from fakes.records import make_weight_version
+import time
 
-from stream_rl.kafka.follower import VersionFollower
+import pytest
+from fakes.records import make_eval_result, make_weight_version
+
+from stream_rl.contracts import EvalResult
+from stream_rl.kafka.follower import RecordFollower, VersionFollower
 from stream_rl.kafka.memory import MemoryTransport
 from stream_rl.kafka.serde import default_serde
-from stream_rl.kafka.topics import WEIGHT_VERSIONS, TopicNames
+from stream_rl.kafka.topics import EVAL_RESULTS, WEIGHT_VERSIONS, TopicNames
 
 pytestmark = pytest.mark.unit
 
@@ -32,3 +35,68 @@ def test_follows_versions_and_waits() -> None:
         assert follower.drain() == []  # handed over once: the follower keeps nothing
     finally:
         follower.stop()
+
+
+def test_record_follower_keeps_a_bounded_window_and_hands_each_record_over_once() -> None:
+    """A long run's eval-results cost the launcher, the trainer (`eval.pin`) and the trackers the
+    same memory as a short one's: `records` is the last `keep`, `drain()` hands each over once."""
+    t = MemoryTransport()
+    names = TopicNames(run="r")
+    t.create_topics(names.all_topics())
+    topic = names[EVAL_RESULTS]
+    follower = RecordFollower(t, topic, EvalResult, "evals", keep=8, keep_history=True).start()
+    try:
+        p = t.producer("evaluator")
+        drained: list[int] = []
+        for v in range(0, 500, 10):
+            p.produce(topic, default_serde().encode(make_eval_result(v)), key="r")
+        deadline = time.monotonic() + 5
+        while len(drained) < 50 and time.monotonic() < deadline:
+            drained += [ev.version for ev in follower.drain()]
+            time.sleep(0.01)
+        assert drained == list(range(0, 500, 10))
+        assert [ev.version for ev in follower.records] == list(range(420, 500, 10))
+        assert follower.drain() == []
+        assert len(follower._pending) == 0 and len(follower._records) == 8  # noqa: SLF001 - the bound
+    finally:
+        follower.stop()
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.logged: list[tuple[int, bool]] = []
+
+    def params(self, params: dict[str, object]) -> None:
+        pass
+
+    def log(self, version: int, metrics: dict[str, float], wall_ms: int) -> None:
+        self.logged.append((version, any(k.startswith("eval/") for k in metrics)))
+
+    def close(self) -> None:
+        pass
+
+
+def test_track_follow_logs_each_version_and_evaluation_once_until_the_final_one() -> None:
+    """The tracker keeps the newest version logged, not every version: a version published again
+    (a restarted trainer's mismatch) is still logged once."""
+    from dataclasses import replace
+
+    from stream_rl.config import RunConfig
+    from stream_rl.contracts import WeightVersionKind
+    from stream_rl.kafka.stage import StopFlag
+    from stream_rl.track import follow
+
+    config = RunConfig.model_validate({"run": "r", "eval": {"every": 2}})
+    t = MemoryTransport()
+    names = TopicNames(run="r")
+    t.create_topics(names.all_topics())
+    p = t.producer("trainer")
+    final = replace(make_weight_version(4, run_id="r"), kind=WeightVersionKind.FINAL)
+    for wv in [*(make_weight_version(v, run_id="r") for v in (0, 1, 2, 3, 2)), final]:
+        p.produce(names[WEIGHT_VERSIONS], default_serde().encode(wv), key="r")
+    for v in (0, 2, 4):
+        p.produce(names[EVAL_RESULTS], default_serde().encode(make_eval_result(v)), key="r")
+    sink = _Sink()
+    assert follow(config, t, [sink], StopFlag()) == 5
+    assert sorted(v for v, is_eval in sink.logged if not is_eval) == [0, 1, 2, 3, 4]
+    assert sorted(v for v, is_eval in sink.logged if is_eval) == [0, 2, 4]
