@@ -106,7 +106,7 @@ class _RecordingProducer:
 
 
 def test_producers_are_idempotent_with_acks_all(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where: `stream_rl/kafka/client.py` KafkaProducer, the only producer class every stage uses
+    """Where: `stream_rl/kafka/producer.py` KafkaProducer, the only producer class every stage uses
     (plain and transactional); client properties cannot override these (config refuses them)."""
     from stream_rl.kafka import client
 

@@ -381,9 +381,9 @@ def test_the_run_summary_line_survives_a_run_without_rewards(capsys) -> None:  #
 def test_a_transaction_call_that_never_returns_wedges_the_producer_instead_of_hanging(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import time as _time
 
-    from stream_rl.kafka import client
+    from stream_rl.kafka import client, librdkafka
 
-    monkeypatch.setattr(client, "BOUNDED_GRACE_S", 0.2)
+    monkeypatch.setattr(librdkafka, "BOUNDED_GRACE_S", 0.2)
     producer = client.KafkaProducer("127.0.0.1:1", "wedge-test", transactional_id="tx-wedge")
     with pytest.raises(client.Wedged, match="did not return"):
         producer._transaction_step("commit_transaction", lambda t: _time.sleep(5), timeout=0.1)

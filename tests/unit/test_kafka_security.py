@@ -123,12 +123,13 @@ class AdminClient(_Recorder):
 
 
 def test_every_client_constructor_gets_the_properties(password: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from stream_rl.kafka import client
+    from stream_rl.kafka import client, probe
 
     _Recorder.confs = []
     monkeypatch.setattr(client.ck, "Producer", Producer)
     monkeypatch.setattr(client.ck, "Consumer", Consumer)
     monkeypatch.setattr(client, "AdminClient", AdminClient)
+    monkeypatch.setattr(probe, "AdminClient", AdminClient)  # check_reachable's
     cfg = load_config(None, SECURED)
     kafka = client.KafkaTransport.for_config(cfg.kafka, "broker:9093")
     kafka.producer("p")
@@ -195,11 +196,12 @@ def test_every_process_builds_its_transport_from_its_config() -> None:
     for path, call in _calls("check_reachable", methods=False):  # a transport's own carries them
         if path != Path("stream_rl/kafka/client.py"):
             assert any(k.arg == "properties" for k in call.keywords), f"{path}:{call.lineno}"
-    # Raw librdkafka clients are built in the client module only (plus the local broker's own
+    # Raw librdkafka clients are built in the client modules only (plus the local broker's own
     # readiness probe, which talks to the broker it started).
+    clients = {f"stream_rl/kafka/{m}.py" for m in ("client", "producer", "consumer", "probe", "broker")}
     for name in ("Producer", "Consumer", "AdminClient"):
         places = {str(p) for p, _ in _calls(name)}
-        assert places <= {"stream_rl/kafka/client.py", "stream_rl/kafka/broker.py"}, (name, places)
+        assert places <= clients, (name, places)
 
 
 def test_a_refused_login_is_one_line_naming_the_problem(
@@ -207,7 +209,7 @@ def test_a_refused_login_is_one_line_naming_the_problem(
 ) -> None:
     import confluent_kafka as ck
 
-    from stream_rl.kafka import client
+    from stream_rl.kafka import probe
 
     class Refusing:
         def __init__(self, conf: dict[str, Any]) -> None:
@@ -224,12 +226,12 @@ def test_a_refused_login_is_one_line_naming_the_problem(
         def poll(self, timeout: float = 0) -> None:
             return None
 
-    monkeypatch.setattr(client, "AdminClient", Refusing)
+    monkeypatch.setattr(probe, "AdminClient", Refusing)
     props = load_config(None, SECURED).kafka.librdkafka_properties()
     with pytest.raises(
         KafkaError, match=r"Kafka at b:1 refused our credentials: SASL authentication error"
     ) as err:
-        client.check_reachable("b:1", timeout=5, properties=props)
+        probe.check_reachable("b:1", timeout=5, properties=props)
     assert "\n" not in str(err.value) and password not in str(err.value)
 
 

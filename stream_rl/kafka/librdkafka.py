@@ -1,0 +1,106 @@
+"""What every confluent-kafka client of stream-rl shares: its librdkafka properties (secrets
+unwrapped only here), its construction (a refused configuration as a one-line KafkaError), the
+mapping of librdkafka's exceptions and `error_cb` to KafkaError, and calls bounded in time
+(`Wedged` when librdkafka does not return)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import confluent_kafka as ck
+from pydantic import SecretStr
+
+from stream_rl.errors import KafkaError
+from stream_rl.kafka.outage import CLIENT_LOG
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+DEFAULT_COMPRESSION = "zstd"
+log = logging.getLogger("stream_rl.kafka.client")  # the name from before the split: log filters keep working
+
+
+Properties = Mapping[str, str | SecretStr]
+"""librdkafka properties from `kafka.client_properties` / `kafka.secret_properties` (secrets stay
+`SecretStr` until the moment a client is built)."""
+
+
+def client_conf(properties: Properties | None) -> dict[str, str]:
+    """The properties as librdkafka takes them: secrets unwrapped (only here, into the client's
+    own config; stream-rl never logs a client's config)."""
+    return {k: v.get_secret_value() if isinstance(v, SecretStr) else v for k, v in (properties or {}).items()}
+
+
+C = TypeVar("C")
+
+
+def build_client(cls: Callable[[dict[str, Any]], C], conf: dict[str, Any]) -> C:
+    """A librdkafka client, or a one-line KafkaError when librdkafka refuses its configuration
+    (an unknown property, SASL without a username...): that is a mistake in kafka.client_properties."""
+    try:
+        return cls(conf)
+    except ck.KafkaException as exc:
+        err = exc.args[0] if exc.args else exc
+        message = err.str() if isinstance(err, ck.KafkaError) else str(err)
+        raise KafkaError(
+            f"Kafka client configuration refused: {message} (check kafka.client_properties)"
+        ) from exc
+
+
+def fail(what: str, exc: ck.KafkaException) -> KafkaError:
+    return KafkaError(f"{what}: {exc.args[0] if exc.args else exc}")
+
+
+BOUNDED_GRACE_S = 15.0
+"""How long past its own timeout a librdkafka call is waited for before it is abandoned."""
+
+
+class Wedged(KafkaError):
+    """A librdkafka call did not return: the client is unusable (any further transaction call
+    conflicts with the abandoned one); the stage must exit and be restarted."""
+
+
+def bounded(what: str, call: Callable[[float], None], timeout: float) -> None:
+    """`call(timeout)` in a helper thread, abandoned with a KafkaError if it has not returned well
+    after its timeout: right after a broker restart librdkafka's send_offsets_to_transaction was
+    seen blocking for minutes past it (the preprocessor then hung; now it fails, and is restarted)."""
+    import threading
+
+    box: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call(timeout)
+            box.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread below
+            box.append(exc)
+
+    thread = threading.Thread(target=run, name=f"kafka-{what}", daemon=True)
+    thread.start()
+    thread.join(timeout + BOUNDED_GRACE_S)
+    if not box:
+        limit = timeout + BOUNDED_GRACE_S
+        raise Wedged(f"{what}: librdkafka did not return within {limit:.0f}s (restart the stage)")
+    if box[0] is not None:
+        raise box[0]
+
+
+class ClientErrors:
+    """The `error_cb` of a client: fatal errors are kept (the next call raises them: a fenced
+    static member's consumer otherwise just stops delivering, and its stage hangs); the others,
+    mostly connection errors librdkafka recovers from, are logged rate-limited."""
+
+    def __init__(self, client_id: str) -> None:
+        self.client_id = client_id
+        self.fatal: str | None = None
+
+    def __call__(self, err: ck.KafkaError) -> None:
+        if err.fatal():
+            self.fatal = err.str()
+            log.error("%s: fatal Kafka client error: %s", self.client_id, err.str())
+        else:
+            CLIENT_LOG.log(logging.WARNING, "%s [%s] %s", "ERROR", self.client_id, err.str())
+
+    def check(self, what: str) -> None:
+        if self.fatal is not None:
+            raise KafkaError(f"{what}: fatal Kafka client error (restart the stage): {self.fatal}")
