@@ -1,0 +1,70 @@
+"""The launcher's child processes: `Child` (its command, directory, log and process), the
+environment every child starts with (`child_env`, the run's admin token) and `die_with_parent`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stream_rl.config import ADMIN_TOKEN_ENV, RunConfig
+from stream_rl.kafka.outage import REACHABLE_WAIT_ENV
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    cmd: list[str]
+    dir: Path
+    metrics_port: int | None = None
+    restartable: bool = True
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables of this child on top of the launcher's (`child_env`)."""
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+
+    @property
+    def log(self) -> Path:
+        return self.dir / "stdout.log"
+
+    def tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def run_admin_token(config: RunConfig) -> str | None:
+    """The token guarding the launched servers' `/weights/*`: the configured one, else a fresh one
+    per run (when the launcher starts the servers). It travels in the children's environment only,
+    never into run directories or logs."""
+    if config.inference.admin_token is not None:
+        return config.inference.admin_token.get_secret_value()
+    if config.inference.servers or config.inference.num_servers == 0:
+        return None  # servers started by the user carry the token they were given (if any)
+    import secrets
+
+    return secrets.token_urlsafe(32)
+
+
+def child_env(config: RunConfig, admin_token: str | None = None) -> dict[str, str]:
+    # The launcher has reached the broker: a child (re)started during an outage waits it out
+    # instead of failing fast as for a wrong address.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", REACHABLE_WAIT_ENV: str(config.kafka.outage_timeout_s)}
+    if admin_token is not None:
+        env[ADMIN_TOKEN_ENV] = admin_token
+    return env
+
+
+def die_with_parent() -> None:
+    """In the child, before exec: SIGTERM it when the launcher dies, however it dies (a killed or
+    crashed launcher otherwise leaves its stages running, waiting on a broker that is gone)."""
+    import contextlib
+    import ctypes
+
+    with contextlib.suppress(OSError):  # not Linux: children may outlive a crashed launcher
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG

@@ -1,0 +1,239 @@
+"""`Supervision`, the launcher's process half: it starts the children, waits for the inference
+servers, writes where every process listens (`processes.json`, the Prometheus targets), handles a
+child's exit (restart or stop the run) and the watchdog's stalls, and stops them all in waves.
+`stream_rl.launch.Launcher` composes it with the run's preparation."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from stream_rl.children import Child, child_env, die_with_parent
+from stream_rl.config import RunConfig
+from stream_rl.errors import StreamRLError
+from stream_rl.kafka.stage import StopFlag
+from stream_rl.watchdog import Watchdog
+
+STOP_GRACE_S = 20.0
+
+
+class Supervision:
+    """The children of one run and what is done with them; `Launcher.__init__` sets the state."""
+
+    config: RunConfig
+    stop: StopFlag
+    run_dir: Path
+    children: list[Child]
+    bootstrap: str
+    exit_reason: str
+    failed: Child | None
+    server_startup_s: float
+    stalled: str | None
+    admin_token: str | None
+    _launcher_port: int | None
+
+    def write_ports(self, launcher_port: int) -> None:
+        """processes.json (for `stream-rl status`) and prometheus-targets.json (file_sd for
+        deploy/prometheus.yml)."""
+        self._launcher_port = launcher_port
+        ports = {c.name: c.metrics_port for c in self.children if c.metrics_port}
+        servers = self.server_urls()
+        # Live children only: a dead child's pid may already belong to another process.
+        pids = {c.name: c.proc.pid for c in self.children if c.proc and c.proc.poll() is None}
+        tmp = self.run_dir / "processes.json.tmp"
+        tmp.write_text(
+            json.dumps(
+                {
+                    "bootstrap": self.bootstrap,
+                    "metrics_ports": ports,
+                    "servers": servers,
+                    "launcher_port": launcher_port,
+                    "launcher_pid": os.getpid(),
+                    "pids": pids,
+                },
+                indent=2,
+            )
+        )
+        tmp.replace(self.run_dir / "processes.json")  # readers never see half a file
+        run = self.config.run
+
+        def target(address: str, process: str, role: str) -> dict[str, Any]:
+            return {"targets": [address], "labels": {"run": run, "process": process, "role": role}}
+
+        targets = [target(f"127.0.0.1:{port}", name, name.rsplit("-", 1)[0]) for name, port in ports.items()]
+        targets += [target(url.split("://", 1)[-1], f"server-{i}", "server") for i, url in enumerate(servers)]
+        targets.append(target(f"127.0.0.1:{launcher_port}", "launcher", "launcher"))
+        (self.run_dir / "prometheus-targets.json").write_text(json.dumps(targets, indent=2))
+
+    def server_urls(self) -> list[str]:
+        return self.config.inference.server_urls()
+
+    # -- processes -------------------------------------------------------------------------
+    def spawn(self, child: Child) -> None:
+        # The child gets its own copy of the log's file descriptor; ours closes at once.
+        with open(child.log, "ab") as log:
+            child.proc = subprocess.Popen(
+                child.cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**child_env(self.config, self.admin_token), **child.env},
+                preexec_fn=die_with_parent,
+            )
+        child.started_at = time.monotonic()
+        if self._launcher_port is not None:
+            self.write_ports(self._launcher_port)  # a restarted child's new pid, for `status`
+
+    def check_server_ports(self) -> None:
+        """Fail before starting anything if a launched server's port is taken (another run?)."""
+        from stream_rl.kafka.broker import port_is_free
+
+        inf = self.config.inference
+        for child in self.children:
+            if child.role != "server":
+                continue
+            port = inf.base_port + int(child.name.rsplit("-", 1)[1])
+            if not port_is_free(port, inf.host):
+                raise StreamRLError(
+                    f"port {port} for {child.name} is taken (another run's server?): "
+                    f"choose others with --set inference.base_port=<port>"
+                )
+
+    def wait_for_servers(self) -> None:
+        import httpx
+
+        timeout = self.server_startup_s
+        servers = [c for c in self.children if c.role == "server"]
+        deadline = time.monotonic() + timeout
+        for url in self.server_urls():
+            while True:
+                dead = next((c for c in servers if c.proc and c.proc.poll() is not None), None)
+                if dead is not None:
+                    self.failed = dead
+                    raise StreamRLError(self.death_message(dead))
+                try:
+                    if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise StreamRLError(
+                        f"inference server {url} not healthy after {timeout:.0f}s (see its log in {self.run_dir}/server-*)"
+                    )
+                if self.stop:
+                    return
+                time.sleep(0.3)
+
+    def death_message(self, child: Child) -> str:
+        code = child.proc.returncode if child.proc else None
+        how = (
+            f"killed by {signal.Signals(-code).name}"
+            if code is not None and code < 0
+            else f"exit code {code}"
+        )
+        return f"{child.name} died ({how}); last lines of {child.log}:\n{child.tail()}"
+
+    def check_children(self) -> bool:
+        """Handle exits; returns False when the run must stop."""
+        for child in self.children:
+            if child.proc is None or child.proc.poll() is None:
+                continue
+            code = child.proc.returncode
+            if child.role in ("loader", "evaluator", "track") and code == 0:
+                continue  # its job is done (the evaluator's: the final version is evaluated)
+            if child.role == "trainer" and code == 0:
+                self.exit_reason = "trainer finished"
+                return False
+            if (
+                self.config.launcher.restart
+                and child.restartable
+                and child.restarts < self.config.launcher.max_restarts
+            ):
+                child.restarts += 1
+                print(
+                    f"\n{self.death_message(child)}\nrestarting {child.name} "
+                    f"({child.restarts}/{self.config.launcher.max_restarts})",
+                    file=sys.stderr,
+                )
+                self.spawn(child)
+                continue
+            self.failed = child
+            self.exit_reason = f"{child.name} died"
+            return False
+        return True
+
+    def handle_stall(self, watchdog: Watchdog) -> bool:
+        """The watchdog's verdict: False when the run must stop (see stream_rl/watchdog.py)."""
+        now = time.monotonic()
+        stall = watchdog.check(now)
+        if stall is None:
+            return True
+        stuck = [c for c in self.children if stall.stage is not None and c.role == stall.stage]
+        cfg = self.config.launcher
+        live = [c for c in stuck if c.proc is not None and c.proc.poll() is None]
+        if cfg.restart and live and all(c.restarts < cfg.max_restarts for c in live):
+            for child in live:
+                print(f"\n{stall.message}: killing {child.name} to restart it", file=sys.stderr)
+                assert child.proc is not None
+                child.proc.kill()
+                child.proc.wait()
+            watchdog.reset(now)
+            return True  # check_children restarts them
+        self.stalled = stall.message
+        self.exit_reason = "stalled"
+        return False
+
+    def stop_all(self) -> None:
+        """SIGTERM in waves, each drained before the next: producers first (so downstream
+        stages see their last records), the trainer after the stages, the servers last (an
+        actor finishing its in-flight requests still needs them)."""
+        waves = [
+            ("loader", "actor", "evaluator"),
+            ("verifier", "preprocessor"),
+            ("trainer", "track"),
+            ("server",),
+        ]
+        for roles in waves:
+            live = [c for c in self.children if c.role in roles and c.proc and c.proc.poll() is None]
+            for child in live:
+                assert child.proc is not None
+                child.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            for child in live:
+                assert child.proc is not None
+                try:
+                    child.proc.wait(max(deadline - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    print(
+                        f"{child.name} did not stop within {STOP_GRACE_S:.0f}s of SIGTERM: killing it",
+                        file=sys.stderr,
+                    )
+                    child.proc.kill()
+                    child.proc.wait()
+
+    def wait_for_eval(self, monitor: Any, version: int, what: str) -> None:
+        """With an evaluator: wait (up to `eval.timeout_s`) for its result of `version` (the final
+        version's: the servers stay up until it is evaluated)."""
+        evaluator = next((c for c in self.children if c.role == "evaluator"), None)
+        if evaluator is None:
+            return
+        deadline = time.monotonic() + self.config.eval.timeout_s
+        while not self.stop and not monitor.has_eval(version):
+            monitor.tick()
+            proc = evaluator.proc
+            if proc is not None and proc.poll() is not None and proc.returncode != 0:
+                return  # check_children reports it
+            if time.monotonic() > deadline:
+                print(
+                    f"\nwarning: no evaluation of {what} (version {version}) within "
+                    f"eval.timeout_s={self.config.eval.timeout_s:.0f}s; going on (see {evaluator.log})",
+                    file=sys.stderr,
+                )
+                return
+            time.sleep(0.2)
