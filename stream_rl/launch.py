@@ -48,8 +48,6 @@ __all__ = [
     "summary_line",
 ]
 
-SAMPLE_EVERY_S = 2.0
-
 
 class Launcher(Supervision):
     def __init__(self, config: RunConfig, stop: StopFlag) -> None:
