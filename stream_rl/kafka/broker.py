@@ -15,6 +15,7 @@ import base64
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -106,7 +107,35 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LISTEN_PORTS_FROM = 10000
+
+
+def _listen_range() -> tuple[int, int] | None:
+    """Ports below the kernel's ephemeral range (Linux: 32768-60999 by default), None if unknown."""
+    try:
+        low = int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return (LISTEN_PORTS_FROM, low - 1) if low - 1 > LISTEN_PORTS_FROM + 1000 else None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, for a process (this one or a child) to listen on a moment later. Taken at
+    random below the kernel's ephemeral range where there is one: a port the kernel hands out
+    (bind to 0) can be taken meanwhile as the local port of any outgoing connection, and a run's
+    or the test suite's Kafka clients open those all the time (seen: a server's `cannot bind`)."""
+    span = _listen_range()
+    if span is not None:
+        rng = random.SystemRandom()
+        for _ in range(64):
+            port = rng.randint(*span)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

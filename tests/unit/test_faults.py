@@ -389,3 +389,19 @@ def test_a_transaction_call_that_never_returns_wedges_the_producer_instead_of_ha
         producer._transaction_step("commit_transaction", lambda t: _time.sleep(5), timeout=0.1)
     with pytest.raises(client.Wedged, match="wedged"):
         producer.abort_transaction()  # no conflicting second call: the stage exits and restarts
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_are_free() -> None:
+    # An outgoing connection's local port comes from the ephemeral range; a listening port picked
+    # there could be taken between the pick and the bind (a server's `cannot bind`, seen in CI).
+    import socket
+
+    from stream_rl.kafka.broker import _listen_range, free_port
+
+    span = _listen_range()
+    assert span is not None  # Linux: /proc/sys/net/ipv4/ip_local_port_range
+    for _ in range(20):
+        port = free_port()
+        assert span[0] <= port <= span[1]
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))
