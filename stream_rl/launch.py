@@ -18,7 +18,6 @@ preparation (steps 1-3), the run loop and the CLI entry, and re-exports the othe
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import shlex
 import sys
@@ -26,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stream_rl import heap
 from stream_rl.children import Child, child_env, die_with_parent, run_admin_token
 from stream_rl.config import RunConfig, dump_config, load_config
 from stream_rl.contracts import WeightVersionKind
@@ -221,7 +221,7 @@ class Launcher(Supervision):
     def _stop_broker(self) -> None:
         if self.broker is None or self.config.launcher.keep_broker:
             return
-        gc.collect()  # the run's Kafka clients are gone before their broker (no reconnect noise)
+        heap.release()  # the run's Kafka clients are gone before their broker (no reconnect noise)
         self.broker.down(quiet=True)
         print(
             f"stopped the local Kafka broker; its data stays in {self.broker.data_dir} "
@@ -255,6 +255,7 @@ class Launcher(Supervision):
                     self.spawn(child)
             self.write_ports(serve_metrics(0))
             monitor.start()
+            heap.settle()
             max_wall = self.config.launcher.max_wall_s
             stall_s = self.config.launcher.stall_timeout_s
             watchdog = Watchdog(stall_s) if stall_s is not None else None

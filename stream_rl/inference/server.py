@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from stream_rl import heap
 from stream_rl.config import InferenceConfig, ModelConfig, format_validation_error
 from stream_rl.errors import ConfigError, StreamRLError
 from stream_rl.inference import guards, ipc_routes, openai_routes, weights_routes
@@ -202,6 +203,7 @@ def run(
     # uvicorn drains on SIGTERM, then re-raises the signal under the handler found at start;
     # a no-op one makes a requested stop exit 0 instead of dying by the signal.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    heap.settle()
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from stream_rl import heap
 from stream_rl.contracts import Contract
 from stream_rl.errors import ContractError, KafkaError, TransactionAborted
 from stream_rl.kafka.dead_letters import DeadLetters
@@ -316,6 +317,7 @@ class StageLoop(Generic[T]):
     def run(self, max_records: int | None = None, idle_timeout_s: float | None = None) -> StageStats:
         """Run until stopped, `max_records` consumed, or `idle_timeout_s` without input."""
         self.consumer.subscribe([self.input_topic], on_assign=self._user_on_assign, on_revoke=self._on_revoke)
+        heap.settle()
         last_input = time.monotonic()
         try:
             while not self.stop:

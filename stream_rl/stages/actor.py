@@ -38,11 +38,12 @@ import contextlib
 import functools
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from typing import Any
 
 from prometheus_client import Counter, Gauge
 
+from stream_rl import heap
 from stream_rl.config import RunConfig
 from stream_rl.contracts import Problem, Rollout
 from stream_rl.errors import ContractError, KafkaError
@@ -57,6 +58,7 @@ from stream_rl.metrics import DUPLICATES, RECORDS_IN, RECORDS_OUT
 from stream_rl.stages.admission import Admission, Key, read_group_view
 from stream_rl.stages.entry import Instance, add_stage_arguments, open_transport, run_stage_command
 from stream_rl.stages.problem_order import ProblemOrder
+from stream_rl.stages.recent_keys import RecentKeys
 from stream_rl.stages.rollouts import ChatTokenizer, Sampler, sample_seed
 from stream_rl.stages.routing import (
     ClientFactory,
@@ -79,6 +81,7 @@ SERVER_LIVE = Gauge("stream_rl_actor_server_live", "1 while a server is in routi
 
 POLL_BATCH = 16
 SEEN_WINDOW = 20_000
+OFFSET_BITS = 40  # where a problem was taken: partition << 40 | offset, in one int64
 COMMIT_EVERY_S = 0.5  # each commit is a broker write: a crash redoes at most this much
 
 
@@ -122,8 +125,8 @@ class Actor:
         self.stats = StageStats()
         self._buffer = ProblemOrder(POLL_BATCH // 2)
         self._paused: set[TopicPartition] = set()
-        self._seen: OrderedDict[tuple[str, int], tuple[int, int]] = OrderedDict()
-        """(problem_id, epoch) -> (partition, offset) of the last SEEN_WINDOW problems taken."""
+        self._seen = RecentKeys(SEEN_WINDOW)
+        """(problem_id, epoch) -> where it was taken, of the last SEEN_WINDOW problems (fixed memory)."""
         self._tasks: dict[Key, asyncio.Task[None]] = {}
         self._done: list[Message] = []
         self._revoked: deque[list[TopicPartition]] = deque()
@@ -205,21 +208,20 @@ class Actor:
                 )
                 self._done.append(msg)
                 continue
-            where = (msg.partition, msg.offset)
-            first = self._seen.get((problem.problem_id, problem.epoch))
+            seen_key = f"{len(problem.problem_id)}:{problem.problem_id}:{problem.epoch}"
+            where = msg.partition << OFFSET_BITS | msg.offset
+            first = self._seen.get(seen_key)
             if first is not None and first != where:  # not a re-delivery of the same record
                 DUPLICATES.labels("actor").inc()
                 self.stats.extra["duplicates"] = self.stats.extra.get("duplicates", 0.0) + 1
                 self._dead_letter(
                     msg,
                     f"duplicate of (problem {problem.problem_id}, epoch {problem.epoch}) at "
-                    f"{msg.topic}[{first[0]}]@{first[1]}",
+                    f"{msg.topic}[{first >> OFFSET_BITS}]@{first & ((1 << OFFSET_BITS) - 1)}",
                 )
                 self._done.append(msg)
                 continue
-            self._seen[(problem.problem_id, problem.epoch)] = where
-            while len(self._seen) > SEEN_WINDOW:
-                self._seen.popitem(last=False)
+            self._seen.put(seen_key, where)
             self._buffer.add(msg, problem)
 
     async def _commit(self, force: bool = False) -> None:
@@ -440,6 +442,7 @@ class Actor:
         try:
             self.consumer.subscribe([self.topic], on_revoke=self._on_revoke)
             await self._refresh(force=True)
+            heap.settle()
             await self._loop(max_records, idle_timeout_s)
             await self._drain()
         finally:

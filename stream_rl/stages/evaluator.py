@@ -43,6 +43,7 @@ import logging
 import time
 from typing import Any
 
+from stream_rl import heap
 from stream_rl.config import RunConfig
 from stream_rl.contracts import EvalResult, Problem, WeightVersion, WeightVersionKind, now_ms
 from stream_rl.errors import ConfigError, InferenceError, StreamRLError
@@ -227,6 +228,7 @@ class Evaluator:
         ).start()
         clients = {url: self.client_factory(url) for url in server_urls(self.config)}
         producer = self.transport.producer(self.evaluator_id)
+        heap.settle()
         last_input = time.monotonic()
         history: list[WeightVersion] = []
         final_seen = False

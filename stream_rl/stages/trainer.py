@@ -43,6 +43,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from stream_rl import heap
 from stream_rl.config import RunConfig
 from stream_rl.contracts import EvalResult, PartitionOffset, TrainingBatch, WeightVersion, WeightVersionKind
 from stream_rl.errors import ConfigError, ContractError, KafkaError
@@ -272,6 +273,7 @@ class TrainerStage:
         path = save_checkpoint(self.ckpt_dir, write, self.state, keep=self.tcfg.keep_checkpoints)
         self._checkpointed_step = self.state.step
         tm.CHECKPOINTS.inc()
+        heap.trim()  # the serialised state's buffers are freed: hand their pages back
         if consumer is not None and self.state.offsets:
             self._commit(consumer)  # only now: the checkpoint is durable
         return path.resolve().as_uri()
@@ -408,6 +410,7 @@ class TrainerStage:
             consumer.assign(
                 {(self.input_topic, p): self.state.offsets.get((self.input_topic, p), 0) for p in parts}
             )
+            heap.settle()
             self._loop(consumer, target, idle_timeout_s)
             clean = True
         finally:

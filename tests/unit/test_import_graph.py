@@ -21,6 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "stream_rl"
 FOUNDATIONS = {
     "stream_rl.config",
     "stream_rl.errors",
+    "stream_rl.heap",
     "stream_rl.metrics",
     "stream_rl.modeling",
     "stream_rl.cli",

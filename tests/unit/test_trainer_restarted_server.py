@@ -169,6 +169,6 @@ def test_held_versions_reads_each_server_and_never_raises(servers: tuple[FakeSer
         s.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
     got = push_module.held_versions(
-        [ServerConfig(url=u, engine="builtin") for u in (a.url, b.url, closed)], timeout_s=1.0
+        [ServerConfig(url=u, engine="builtin") for u in (a.url, b.url, closed)], timeout_s=10.0
     )
     assert got == {a.url: 7, b.url: None, closed: None}

@@ -1,0 +1,56 @@
+"""`stream_rl.heap`: start-up objects frozen out of collections, garbage made later still collected."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+
+from stream_rl import heap
+
+pytestmark = pytest.mark.unit
+
+
+class Node:
+    def __init__(self) -> None:
+        self.me = self  # a reference cycle: only the cyclic collector frees it
+
+
+def test_settle_freezes_what_is_alive_and_later_cycles_are_still_collected() -> None:
+    try:
+        heap.settle()
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        node = Node()
+        ref = weakref.ref(node)
+        del node
+        gc.collect()  # a later cycle is not frozen: collected
+        assert ref() is None
+        heap.settle()  # thaws first: the count is what is alive now, not a sum of calls
+        assert gc.get_freeze_count() < 2 * frozen
+    finally:
+        heap.release()
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_cycle_dropped_while_frozen_is_collected_by_release() -> None:
+    node = Node()
+    ref = weakref.ref(node)
+    heap.settle()
+    del node
+    gc.collect()
+    assert ref() is not None  # frozen: out of every collection
+    heap.release()
+    assert ref() is None
+
+
+def test_settle_starts_one_trimming_thread_per_process() -> None:
+    try:
+        heap.settle()
+        first = heap._trimmer
+        heap.settle()
+    finally:
+        heap.release()
+    assert first is not None and first.is_alive() and heap._trimmer is first
+    heap.trim()  # glibc here: malloc_trim(0); safe to call at any time
