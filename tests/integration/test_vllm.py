@@ -187,6 +187,12 @@ def _render(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     return {**rendered, "output_mode": "tokens"}
 
 
+SWAP_AFTER = 16
+"""Tokens the stream has delivered when the update is pushed. On a loaded machine (three xdist
+workers beside the chaos run) a push can take longer than the engine needs for the rest of the 300
+tokens: with 40 here, one clean-clone run saw all three attempts finish before the update."""
+
+
 @pytest.mark.parametrize("pause", ["recompute", "keep"])
 def test_an_update_lands_in_the_middle_of_a_long_generation(
     server: Any, sender: VLLMWeightSender, pause: str
@@ -206,13 +212,13 @@ def test_an_update_lands_in_the_middle_of_a_long_generation(
                 asyncio.create_task(client.complete_many(prompt, SamplingConfig(max_tokens=160), n=4, seed=i))
                 for i in range(6)
             ]
-            while len(seen) < 40:
+            while len(seen) < SWAP_AFTER:
                 await asyncio.sleep(0.005)
                 assert not stream.done(), "the generation ended before the update"
             await asyncio.to_thread(push, sender, new_v, new, pause)
             return await stream, await asyncio.gather(*others)
 
-    for _attempt in range(3):
+    for _attempt in range(5):
         old_v, new_v = next_version(), next_version()
         push(sender, old_v, old)
         (tokens, versions, finish), others = run(scenario(new_v))
@@ -225,7 +231,7 @@ def test_an_update_lands_in_the_middle_of_a_long_generation(
     assert [v["version"] for v in versions] == [str(old_v), str(new_v)], versions
     swap = versions[1]["start"]
     assert versions[0] == {"version": str(old_v), "start": 0, "end": swap}
-    assert 40 <= swap < length and versions[1]["end"] == length
+    assert SWAP_AFTER <= swap < length and versions[1]["end"] == length
     assert_greedy(old, prompt, tokens[:swap])
     if pause == "recompute":  # the running sequence was recomputed with the new weights
         assert_greedy(new, prompt + tokens[:swap], tokens[swap:])
