@@ -14,11 +14,12 @@ from stream_rl.kafka.librdkafka import (
     MAX_MESSAGE_BYTES,
     ClientErrors,
     Properties,
+    base_conf,
     build_client,
     client_conf,
     fail,
 )
-from stream_rl.kafka.outage import CLIENT_LOG, DEFAULT_OUTAGE_S, retry
+from stream_rl.kafka.outage import DEFAULT_OUTAGE_S, retry
 from stream_rl.kafka.transport import Message, RebalanceCallback, TopicPartition
 
 log = logging.getLogger("stream_rl.kafka.client")  # the name from before the split: log filters keep working
@@ -53,10 +54,7 @@ class KafkaConsumer:
         self.outage_s = outage_s
         self._fatal = ClientErrors(client_id)
         conf: dict[str, Any] = {
-            "bootstrap.servers": bootstrap,
-            "client.id": client_id,
-            "logger": CLIENT_LOG,
-            "error_cb": self._fatal,
+            **base_conf(bootstrap, client_id, self._fatal),
             # librdkafka needs a group id even for assign()-only use; it never commits then.
             "group.id": group_id or f"{client_id}.nogroup",
             "enable.auto.commit": False,

@@ -31,6 +31,11 @@ def client_conf(properties: Properties | None) -> dict[str, str]:
     return {k: v.get_secret_value() if isinstance(v, SecretStr) else v for k, v in (properties or {}).items()}
 
 
+def base_conf(bootstrap: str, client_id: str, errors: ClientErrors) -> dict[str, Any]:
+    """What every client of ours sets: where, who, our logger, and `errors` as the error callback."""
+    return {"bootstrap.servers": bootstrap, "client.id": client_id, "logger": CLIENT_LOG, "error_cb": errors}
+
+
 C = TypeVar("C")
 
 

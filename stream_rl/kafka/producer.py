@@ -17,12 +17,13 @@ from stream_rl.kafka.librdkafka import (
     ClientErrors,
     Properties,
     Wedged,
+    base_conf,
     bounded,
     build_client,
     client_conf,
     fail,
 )
-from stream_rl.kafka.outage import CLIENT_LOG, DEFAULT_OUTAGE_S, Backoff, retry, transient
+from stream_rl.kafka.outage import DEFAULT_OUTAGE_S, Backoff, retry, transient
 from stream_rl.kafka.transport import Headers, TopicPartition
 
 log = logging.getLogger("stream_rl.kafka.client")  # the name from before the split: log filters keep working
@@ -50,10 +51,7 @@ class KafkaProducer:
         self.outage_s = outage_s
         self._fatal = ClientErrors(client_id)
         conf: dict[str, Any] = {
-            "bootstrap.servers": bootstrap,
-            "client.id": client_id,
-            "logger": CLIENT_LOG,
-            "error_cb": self._fatal,
+            **base_conf(bootstrap, client_id, self._fatal),
             "enable.idempotence": True,
             "acks": "all",
             "linger.ms": 5,

@@ -40,8 +40,10 @@ import argparse
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stream_rl import heap
 from stream_rl.config import RunConfig
@@ -79,6 +81,9 @@ from stream_rl.train.push import (
 from stream_rl.train.record import write_run_record
 from stream_rl.train.step import TrainerBackend
 from stream_rl.train.step_runner import StepRunner, unusable_reason
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -182,12 +187,19 @@ class TrainerStage:
             rejoin_dropped(self.pusher, self.config.inference.server_urls())
         with self.trainer.full_weights() as named:
             checksum = weights_checksum(named)
-            report = None if self.pusher is None else self.pusher.push(version, named, self.bucket_bytes)
+            report = None if self.pusher is None else self._push(self.pusher, version, named)
+        return checksum, report
+
+    def _push(
+        self, pusher: WeightPusher, version: int, named: Sequence[tuple[str, torch.Tensor]]
+    ) -> PushOutcome:
+        """Push `version`; a server it failed on is logged and counted (the sender dropped it)."""
+        report = pusher.push(version, named, self.bucket_bytes)
         self._pushed = version
-        for url, why in (report.failed if report else {}).items():
+        for url, why in report.failed.items():
             log.warning("server %s dropped at version %d: %s", url, version, why)
             tm.SERVER_FAILURES.inc()
-        return checksum, report
+        return report
 
     def _rejoin_while_idle(self) -> None:
         """Re-join servers that came back while no step completes, and push them the current
@@ -211,11 +223,7 @@ class TrainerStage:
             return
         version = self.state.version
         with self.trainer.full_weights() as named:
-            report = self.pusher.push(version, named, self.bucket_bytes)
-        self._pushed = version
-        for url, why in report.failed.items():
-            log.warning("server %s dropped again at version %d: %s", url, version, why)
-            tm.SERVER_FAILURES.inc()
+            report = self._push(self.pusher, version, named)
         if report.per_server:
             log.info(
                 "version %d pushed to re-joined server(s) %s", version, ", ".join(sorted(report.per_server))
