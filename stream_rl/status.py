@@ -47,6 +47,16 @@ def scrape(url: str, timeout: float = 1.0) -> dict[str, float] | None:
     return out
 
 
+def _healthy(url: str, timeout: float = 1.0) -> bool:
+    """`GET /health` answers 200: the built-in server's and vLLM's alike."""
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def _last_record(transport: Transport, topic: str, cls: type[C]) -> C | None:
     """The last decodable record of a single-partition topic (None when empty or missing)."""
     try:
@@ -95,8 +105,12 @@ def table(rows: Sequence[Sequence[str]]) -> str:
 
 
 class StatusView:
-    def __init__(self, run: str, run_dir: Path, transport: Transport, names: TopicNames) -> None:
+    def __init__(
+        self, run: str, run_dir: Path, transport: Transport, names: TopicNames, servers: Sequence[str] = ()
+    ) -> None:
         self.run = run
+        self.servers = list(servers)
+        """The config's servers, for a run without `processes.json` (a compose or hand-started run)."""
         self.run_dir = run_dir
         self.transport = transport
         self.names = names
@@ -115,6 +129,39 @@ class StatusView:
         if prev is None or now <= prev[0]:
             return "…"
         return f"{(metrics.get(name, 0.0) - prev[1].get(name, 0.0)) / (now - prev[0]):.1f}"
+
+    @staticmethod
+    def server_rows(servers: Sequence[str], wv: WeightVersion | None) -> list[tuple[str, ...]]:
+        """Per server: health, the version it serves, how many versions it is behind the trainer's
+        last, what the last version's push did to it (`ok`, `failed`, `-`: not pushed to), load."""
+        rows: list[tuple[str, ...]] = [
+            ("server", "health", "version", "behind", "last push", "running", "waiting", "tokens/s")
+        ]
+        for url in servers:
+            sm = scrape(f"{url}/metrics")
+            held = None if sm is None else sm.get("stream_rl_inference_weight_version")
+            behind = "-" if wv is None or held is None else str(wv.version - int(held))
+            push = (
+                "-" if wv is None
+                else "ok" if url in wv.servers_updated
+                else "failed" if url in wv.servers_failed
+                else "-"
+            )  # fmt: skip
+            rows.append(
+                (
+                    url,
+                    "ok" if _healthy(url) else "DOWN",
+                    "-" if held is None else str(int(held)),
+                    behind,
+                    push,
+                    *(
+                        str(int(sm.get(k, 0))) if sm else "-"
+                        for k in ("stream_rl_inference_running", "stream_rl_inference_waiting")
+                    ),
+                    f"{sm.get('stream_rl_inference_tokens_per_second', 0):.0f}" if sm else "-",
+                )
+            )
+        return rows
 
     def render(self) -> str:
         parts = [f"run {self.run}   {time.strftime('%H:%M:%S')}"]
@@ -147,25 +194,9 @@ class StatusView:
                     )
                 )
             parts.append(table(rows))
-            rows = [("server", "health", "version", "running", "waiting", "tokens/s")]
-            for url in procs.get("servers", []):
-                sm = scrape(f"{url}/metrics")
-                rows.append(
-                    (
-                        url,
-                        "ok" if sm and sm.get("stream_rl_inference_engine_up") else "DOWN",
-                        *(
-                            str(int(sm.get(k, 0))) if sm else "-"
-                            for k in (
-                                "stream_rl_inference_weight_version",
-                                "stream_rl_inference_running",
-                                "stream_rl_inference_waiting",
-                            )
-                        ),
-                        f"{sm.get('stream_rl_inference_tokens_per_second', 0):.0f}" if sm else "-",
-                    )
-                )
-            parts.append(table(rows))
+        servers = procs.get("servers") or self.servers
+        if servers:
+            parts.append(table(self.server_rows(servers, wv)))
         agg: dict[tuple[str, str], list[float]] = {}
         for x in run_lags(self.transport, self.names, with_age=True):
             entry = agg.setdefault((x.group.rsplit(".", 1)[-1], x.topic.rsplit(".", 1)[-1]), [0, 0])
@@ -207,7 +238,7 @@ def main(args: argparse.Namespace) -> int:
     )
     names = TopicNames(run=run, prefix=cfg.kafka.prefix if cfg else "stream-rl")
     kafka = KafkaTransport.for_config(cfg.kafka if cfg else KafkaConfig(), bootstrap)
-    view = StatusView(run, run_dir, kafka, names)
+    view = StatusView(run, run_dir, kafka, names, cfg.inference.server_urls() if cfg else ())
     if args.once:
         print(view.render())
         return 0

@@ -129,8 +129,8 @@ class PreprocessorConfig(Model):
     dedupe_window: int = Field(2000, ge=1)
     """Closed groups remembered per partition (in the state topic) to drop late duplicates. Late
     duplicates come from a restarted upstream stage redoing its uncommitted work, a few steps'
-    worth; the trainer drops any that slip through (`trainer.dedupe_window`). The memory it costs
-    is bounded by it (~150 bytes a group)."""
+    worth; the trainer drops any that slip through (`trainer.dedupe_window`). Its memory is held
+    from start: 72 bytes a group per assigned partition (`stream_rl/windows.py`)."""
     max_batch_bytes: int = Field(1_000_000, ge=4096)
     """Encoded size limit of one TrainingBatch record; a larger pack is split."""
 

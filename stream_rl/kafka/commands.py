@@ -16,6 +16,12 @@ def add_kafka_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", default=".kafka", help="broker data dir (default .kafka)")
     p.add_argument("--port", type=int, default=9092, help="client port (default 9092)")
     p.add_argument(
+        "--host",
+        default=None,
+        help="up: the address the client listener binds and advertises (default 127.0.0.1; for "
+        "clients on other hosts, this host's address they reach it at)",
+    )
+    p.add_argument(
         "--brokers",
         type=int,
         default=None,
@@ -32,6 +38,10 @@ def main_kafka(args: argparse.Namespace) -> int:
     brokers = args.brokers or (len(layout.ports) if layout else 1)
     if brokers < 1:
         raise StreamRLError(f"--brokers {brokers}: need at least 1")
+    if args.host is not None and (brokers > 1 or args.action != "up"):
+        raise StreamRLError(
+            "--host: only for `kafka up` of one broker (a local cluster listens on 127.0.0.1)"
+        )
     if brokers > 1 and args.action != "fetch":
         cluster = LocalCluster(args.data_dir, brokers=brokers, port=args.port)
         if args.action == "up":
@@ -45,7 +55,7 @@ def main_kafka(args: argparse.Namespace) -> int:
         raise StreamRLError(
             f"{args.data_dir} holds a {len(layout.ports)}-broker cluster: pass --brokers {len(layout.ports)}"
         )
-    broker = LocalBroker(args.data_dir, port=args.port)
+    broker = LocalBroker(args.data_dir, port=args.port, host=args.host or "127.0.0.1")
     if args.action == "fetch":
         lib = fetch_jars(quiet=args.quiet)
         if not args.quiet:

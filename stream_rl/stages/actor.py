@@ -58,7 +58,6 @@ from stream_rl.metrics import DUPLICATES, RECORDS_IN, RECORDS_OUT
 from stream_rl.stages.admission import Admission, Key, read_group_view
 from stream_rl.stages.entry import Instance, add_stage_arguments, open_transport, run_stage_command
 from stream_rl.stages.problem_order import ProblemOrder
-from stream_rl.stages.recent_keys import RecentKeys
 from stream_rl.stages.rollouts import ChatTokenizer, Sampler, sample_seed
 from stream_rl.stages.routing import (
     ClientFactory,
@@ -69,6 +68,7 @@ from stream_rl.stages.routing import (
     server_urls,
 )
 from stream_rl.tasks import get_task
+from stream_rl.windows import RecentKeys
 
 log = logging.getLogger(__name__)
 

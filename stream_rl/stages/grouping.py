@@ -14,7 +14,6 @@ number, key = group_id, written in the transaction that consumed the samples):
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -22,6 +21,7 @@ from stream_rl.config import PreprocessorConfig
 from stream_rl.contracts import PartialGroup, PendingSample, ScoredRollout, TrainingSample
 from stream_rl.kafka.serde import Serde
 from stream_rl.rl.advantages import compute_advantages
+from stream_rl.windows import RecentIds
 
 
 class Added(Enum):
@@ -47,17 +47,18 @@ class PartitionGroups:
         self.partition = partition
         self.window = window
         self.open: dict[str, OpenGroup] = {}
-        self.closed: OrderedDict[str, None] = OrderedDict()
+        self.closed = RecentIds(window)
+        """The ids of the last `window` groups closed (memory fixed at start)."""
 
     # -- rebuilding from the state topic -------------------------------------------------------
     def restore(self, group_id: str, record: PartialGroup | None, serde: Serde) -> None:
         """Apply one state record (None: a tombstone) in offset order."""
         self.open.pop(group_id, None)
-        self.closed.pop(group_id, None)
+        self.closed.discard(group_id)
         if record is None:
             return
         if record.closed:
-            self.closed[group_id] = None
+            self.closed.add(group_id)  # an id it evicts was tombstoned when it was evicted live
             return
         samples = {}
         group_size = 0
@@ -86,13 +87,8 @@ class PartitionGroups:
     def close(self, group_id: str) -> tuple[OpenGroup | None, list[str]]:
         """Close a group: returns it and the closed ids evicted from the window (to tombstone)."""
         group = self.open.pop(group_id, None)
-        self.closed[group_id] = None
-        self.closed.move_to_end(group_id)
-        evicted = []
-        while len(self.closed) > self.window:
-            old, _ = self.closed.popitem(last=False)
-            evicted.append(old)
-        return group, evicted
+        evicted = self.closed.add(group_id)
+        return group, [] if evicted is None else [evicted]
 
     def expired(self, now_ms: int, timeout_ms: float) -> list[str]:
         return [gid for gid, g in self.open.items() if now_ms - g.first_seen_ms >= timeout_ms]

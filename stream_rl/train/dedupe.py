@@ -7,9 +7,10 @@ whose `batch_id` was seen is dropped whole (its `num_filtered` included, which w
 be counted twice), and a sample whose `rollout_id` was seen is dropped from its batch. Dropped
 samples are counted (`duplicates`), never trained, never counted as consumed.
 
-Memory is bounded by `capacity` (default `trainer.dedupe_window`, 20,000 ids, about 3 MB). The
-guarantee is "at most once among the last `capacity` samples": duplicates come from re-delivery,
-which arrives within a few steps of the original. The windows are part of every checkpoint
+Memory is fixed by `capacity` (default `trainer.dedupe_window`, 20,000 ids: 1.4 MB held from
+start, `stream_rl/windows.py`). The guarantee is "at most once among the last `capacity`
+samples": duplicates come from re-delivery, which arrives within a few steps of the original.
+The windows are part of every checkpoint
 (`dedupe.json`), so a restarted trainer, which re-consumes from its checkpoint's offsets, takes
 the same decisions as an uninterrupted one; `replay trainer` starts empty at offset 0 and so
 reproduces them too.
@@ -19,45 +20,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections import OrderedDict
 from pathlib import Path
 
 from stream_rl.contracts import TrainingBatch
+from stream_rl.windows import RecentIds
 
 FILE = "dedupe.json"
-
-
-class SeenWindow:
-    """The last `capacity` ids added, oldest first."""
-
-    def __init__(self, capacity: int, ids: list[str] | None = None) -> None:
-        self.capacity = capacity
-        self._ids: OrderedDict[str, None] = OrderedDict()
-        for i in ids or []:
-            self.add(i)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._ids
-
-    def __len__(self) -> int:
-        return len(self._ids)
-
-    def add(self, key: str) -> None:
-        self._ids[key] = None
-        self._ids.move_to_end(key)
-        while len(self._ids) > self.capacity:
-            self._ids.popitem(last=False)
-
-    def ids(self) -> list[str]:
-        return list(self._ids)
 
 
 class TrainedIds:
     """See the module docstring."""
 
     def __init__(self, capacity: int = 20_000) -> None:
-        self.samples = SeenWindow(capacity)
-        self.batches = SeenWindow(max(capacity // 8, 1))
+        self.samples = RecentIds(capacity)
+        self.batches = RecentIds(max(capacity // 8, 1))
         # The step being filled: its ids join the windows when the step is taken, so that a step
         # abandoned at SIGTERM (re-read after the restart) leaves no trace in a checkpoint.
         self._step_samples: dict[str, None] = {}
@@ -107,6 +83,6 @@ class TrainedIds:
         path = None if directory is None else directory / FILE
         if path is not None and path.is_file():
             data = json.loads(path.read_text())
-            out.samples = SeenWindow(capacity, data["samples"])
-            out.batches = SeenWindow(max(capacity // 8, 1), data["batches"])
+            out.samples = RecentIds(capacity, data["samples"])
+            out.batches = RecentIds(max(capacity // 8, 1), data["batches"])
         return out

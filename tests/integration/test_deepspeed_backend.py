@@ -1,6 +1,9 @@
 """The DeepSpeed backend (ZeRO-2 and ZeRO-3) with two CPU ranks over gloo, launched with torchrun
-as the trainer stage on a real broker, stopped after two versions and resumed from its checkpoint: same lineage, losses and gradient norms as the torch
-backend, and the same weights up to rounding (ZeRO reduces in another order: not bit for bit).
+as the trainer stage on a real broker: same lineage, losses and gradient norms as the torch backend,
+and the same weights up to rounding (ZeRO reduces in another order: not bit for bit). ZeRO-3, whose
+checkpoint is sharded parameters and optimizer state alike, is stopped after two versions and
+resumed from its checkpoint; ZeRO-2 runs in one life (its resume is the same `load_checkpoint`
+call: a second launch cost the suite ~30 s).
 
 Needs `deepspeed` (a `dev` dependency, so CI runs this; a missing install fails, never skips). DeepSpeed
 0.19.8 runs on CPU with its CPU accelerator and gloo; the backend tells it not to JIT-compile its
@@ -121,8 +124,9 @@ def test_two_ranks_match_the_torch_backend(  # type: ignore[no-untyped-def]
     config_path = tmp_path / "run.yaml"
     config_path.write_text(yaml.safe_dump(data))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    # Two lives: stop after version 2 (checkpoint), then resume from the DeepSpeed checkpoint.
-    for bound in (2, FINAL_VERSION):
+    # ZeRO-3 in two lives: stop after version 2 (checkpoint), then resume from the DeepSpeed checkpoint.
+    lives = (2, FINAL_VERSION) if zero_stage == 3 else (FINAL_VERSION,)
+    for bound in lives:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
             str(free_port()), "-m", "stream_rl.cli", "trainer", "--config", str(config_path),
@@ -130,7 +134,8 @@ def test_two_ranks_match_the_torch_backend(  # type: ignore[no-untyped-def]
         ]  # fmt: skip
         res = torchrun(cmd, env)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    assert "resuming from" in res.stderr and "step-000002" in res.stderr
+    if len(lives) == 2:
+        assert "resuming from" in res.stderr and "step-000002" in res.stderr
     assert "deepspeed_shm_comm" not in res.stdout + res.stderr  # no op compiled, no build lock taken
 
     got = read_weight_versions(kafka, run_names)

@@ -34,6 +34,17 @@ def test_missing_config_file(capsys: pytest.CaptureFixture[str], tmp_path: Path)
     assert "cannot read config" in capsys.readouterr().err
 
 
+def test_kafka_host_is_refused_where_it_would_be_ignored(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    for args in (["status"], ["up", "--brokers", "3"]):
+        rc = main(["kafka", *args, "--host", "10.0.0.1", "--data-dir", str(tmp_path / "k")])
+        assert rc == 2
+        assert capsys.readouterr().err.strip() == (
+            "error: --host: only for `kafka up` of one broker (a local cluster listens on 127.0.0.1)"
+        )
+
+
 def test_every_command_has_help(capsys: pytest.CaptureFixture[str]) -> None:
     from stream_rl.cli import COMMANDS, command_parser
 

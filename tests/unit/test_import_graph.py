@@ -22,6 +22,7 @@ FOUNDATIONS = {
     "stream_rl.config",
     "stream_rl.errors",
     "stream_rl.heap",
+    "stream_rl.windows",
     "stream_rl.metrics",
     "stream_rl.modeling",
     "stream_rl.cli",

@@ -1,0 +1,232 @@
+"""Several hosts on this machine: three network namespaces joined by veth pairs, a short pipeline
+across them, every stage started by hand as on separate machines (README "Several hosts").
+
+    host A (10.231.1.1, 10.231.3.1): broker, loader, trainer
+    host B (10.231.1.2): inference server, actor          A <-veth-> B
+    host C (10.231.3.2): verifier, preprocessor           A <-veth-> C
+
+B and C reach A's other address through A (their default route); B and C never talk. Each
+namespace has its own loopback, as a host has, but no traffic between stages may use it: Kafka
+advertises 10.231.1.1, the server binds 10.231.1.2, the trainer's weight-sync store is reached at
+10.231.1.1 and gloo picks each side's address on that route. The test creates the namespaces and
+links itself and removes them (with every process it started) at the end; where the kernel or
+the user cannot create them, it fails saying so, never skips. The outside view (`outside.py`, run
+in namespace A: the root namespace has no link to them) checks versions 0..N, each pushed to the
+server in B, and trained tokens sampled under those versions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+TAG = f"{os.getpid() % 100000}"
+NS = {h: f"srl{TAG}{h}" for h in "abc"}
+A_TO_B, B_ADDR, A_TO_C, C_ADDR = "10.231.1.1", "10.231.1.2", "10.231.3.1", "10.231.3.2"
+STEPS = 3
+KAFKA_PORT, SERVER_PORT, SYNC_PORT = 9092, 8100, 29500
+
+
+def sh(*cmd: str) -> None:
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({res.returncode}): {res.stderr.strip()}")
+
+
+def in_ns(host: str, *cmd: str) -> list[str]:
+    return ["ip", "netns", "exec", NS[host], *cmd]
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[dict[str, str]]:
+    try:
+        sh("ip", "netns", "add", NS["a"])
+    except (AssertionError, FileNotFoundError) as exc:
+        pytest.fail(f"cannot create a network namespace (this test needs root and `ip`): {exc}")
+    made = [NS["a"]]
+    try:
+        for h in "bc":
+            sh("ip", "netns", "add", NS[h])
+            made.append(NS[h])
+        for h in "abc":
+            sh(*in_ns(h, "ip", "link", "set", "lo", "up"))
+        for far, near_addr, far_addr in (("b", A_TO_B, B_ADDR), ("c", A_TO_C, C_ADDR)):
+            near_if, far_if = f"v{TAG}a{far}", f"v{TAG}{far}a"
+            sh(
+                "ip",
+                "link",
+                "add",
+                near_if,
+                "netns",
+                NS["a"],
+                "type",
+                "veth",
+                "peer",
+                "name",
+                far_if,
+                "netns",
+                NS[far],
+            )
+            sh(*in_ns("a", "ip", "addr", "add", f"{near_addr}/24", "dev", near_if))
+            sh(*in_ns("a", "ip", "link", "set", near_if, "up"))
+            sh(*in_ns(far, "ip", "addr", "add", f"{far_addr}/24", "dev", far_if))
+            sh(*in_ns(far, "ip", "link", "set", far_if, "up"))
+            sh(*in_ns(far, "ip", "route", "add", "default", "via", near_addr))
+        yield NS
+    finally:
+        for name in made:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)  # its veth ends go too
+
+
+class Procs:
+    """The processes this test started (each in its own session: killed with its children)."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, host: str, *args: str) -> subprocess.Popen[bytes]:
+        log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 - the child holds it
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(
+            in_ns(host, sys.executable, "-m", "stream_rl.cli", *args),
+            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+def _healthy_in_b(url: str) -> bool:
+    probe = f"import urllib.request; urllib.request.urlopen('{url}/health', timeout=2)"
+    return subprocess.run(in_ns("b", sys.executable, "-c", probe), capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def across(hosts: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
+    from stream_rl.inference.model_maker import make_model
+
+    tmp = tmp_path_factory.mktemp("hosts")
+    model = make_model(tmp / "tiny", "tiny", seed=0)
+    run = f"hosts{TAG}"
+    bootstrap, server = f"{A_TO_B}:{KAFKA_PORT}", f"http://{B_ADDR}:{SERVER_PORT}"
+    cfg = {
+        "run": run,
+        "runs_dir": str(tmp / "runs"),
+        "model": {"path": str(model)},
+        "kafka": {"bootstrap": bootstrap, "partitions": 2},
+        "task": {"name": "arithmetic", "params": {"num_problems": 64}},
+        "inference": {"num_servers": 0, "servers": [{"url": server}]},
+        "actor": {"group_size": 4, "max_lag": 1, "sampling": {"max_tokens": 4}},
+        "trainer": {
+            "samples_per_step": 16, "max_steps": STEPS, "bucket_mb": 1,
+            "sync_master_addr": A_TO_B, "sync_master_port": SYNC_PORT,
+        },
+    }  # fmt: skip
+    config = tmp / "run.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    procs = Procs(tmp)
+    kafka_dir = str(tmp / "kafka")
+    try:
+        up = subprocess.run(
+            in_ns("a", sys.executable, "-m", "stream_rl.cli", "kafka", "up", "--quiet", "--data-dir", kafka_dir,
+                  "--port", str(KAFKA_PORT), "--host", A_TO_B),
+            cwd=REPO, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert up.returncode == 0 and up.stdout.strip() == bootstrap, up.stdout + up.stderr
+        topics = subprocess.run(
+            in_ns("c", sys.executable, "-m", "stream_rl.cli", "topics", "apply", "--config", str(config)),
+            cwd=REPO, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert topics.returncode == 0, topics.stdout + topics.stderr
+        procs.start(
+            "server", "b", "serve", "--model", str(model), "--host", B_ADDR, "--port", str(SERVER_PORT)
+        )
+        deadline = time.monotonic() + 120
+        while not _healthy_in_b(server):
+            assert procs.procs["server"].poll() is None, procs.log("server")
+            assert time.monotonic() < deadline, "the server in B did not become healthy: " + procs.log(
+                "server"
+            )
+            time.sleep(1)
+        trainer = procs.start("trainer", "a", "trainer", "--config", str(config), "--max-steps", str(STEPS))
+        procs.start("loader", "a", "loader", "--config", str(config))
+        procs.start("actor", "b", "actor", "--config", str(config))
+        procs.start("verifier", "c", "verifier", "--config", str(config))
+        procs.start("preprocessor", "c", "preprocessor", "--config", str(config))
+        try:
+            rc = trainer.wait(300)
+        except subprocess.TimeoutExpired:
+            rc = None
+        logs = {name: procs.log(name) for name in procs.procs}
+        assert rc == 0, f"trainer rc {rc}:\n" + "\n".join(f"--- {n}\n{t}" for n, t in logs.items())
+        dump = subprocess.run(
+            in_ns("a", sys.executable, str(Path(__file__).with_name("outside.py")), bootstrap, run),
+            cwd=REPO, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert dump.returncode == 0, dump.stderr
+        yield {"server": server, "logs": logs, **json.loads(dump.stdout)}
+    finally:
+        procs.stop()
+        subprocess.run(
+            in_ns("a", sys.executable, "-m", "stream_rl.cli", "kafka", "down", "--quiet", "--data-dir", kafka_dir),
+            cwd=REPO, capture_output=True, timeout=60,
+        )  # fmt: skip
+
+
+def _connects(host: str, addr: str, port: int) -> bool:
+    """A TCP connection from namespace `host` to addr:port succeeds."""
+    probe = f"import socket; socket.create_connection(('{addr}', {port}), timeout=2).close()"
+    return subprocess.run(in_ns(host, sys.executable, "-c", probe), capture_output=True).returncode == 0
+
+
+def test_the_namespaces_reach_each_other_only_through_their_links(hosts: dict[str, str]) -> None:
+    listen = "import socket, time; s = socket.create_server(('0.0.0.0', 7007)); time.sleep(60)"
+    listeners = [subprocess.Popen(in_ns(h, sys.executable, "-c", listen)) for h in "ac"]
+    try:
+        time.sleep(1.5)
+        assert _connects("c", A_TO_B, 7007), "C reaches A's address on the A-B link through A"
+        assert _connects("b", A_TO_B, 7007)
+        assert not _connects("b", C_ADDR, 7007), "A routes nothing between B and C"
+    finally:
+        for p in listeners:
+            p.kill()
+            p.wait()
+
+
+def test_a_pipeline_across_three_hosts_trains_and_pushes_weights_between_them(
+    across: dict[str, object],
+) -> None:
+    versions = across["versions"]
+    assert isinstance(versions, list)
+    assert [v["version"] for v in versions] == list(range(STEPS + 1))
+    # Every update was installed on the server in B over gloo from the trainer in A.
+    assert all(v["servers_updated"] == [across["server"]] and not v["servers_failed"] for v in versions[1:])
+    spans = across["batched_span_versions"]
+    assert isinstance(spans, list) and spans and set(spans) <= set(range(STEPS + 1))
+    assert max(spans) >= 1, "samples generated after the first push carry its version"
