@@ -360,7 +360,8 @@ class LocalBroker:
             pid=proc.pid,
             port=self.port,
             controller_port=controller_port,
-            host=self.host,
+            # With a SASL_SSL listener on `host`, the PLAINTEXT one (the broker's own) is on loopback.
+            host=self.host if self.listener is None else "127.0.0.1",
             version=self.version,
             started_at=time.time(),
         )

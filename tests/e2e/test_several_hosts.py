@@ -8,7 +8,10 @@ across them, every stage started by hand as on separate machines (README "Severa
 B and C reach A's other address through A (their default route); B and C never talk. Each
 namespace has its own loopback, as a host has, but no traffic between stages may use it: Kafka
 advertises 10.231.1.1, the server binds 10.231.1.2, the trainer's weight-sync store is reached at
-10.231.1.1 and gloo picks each side's address on that route. The test creates the namespaces and
+10.231.1.1 and gloo picks each side's address on that route. Kafka is secured as a cluster across
+hosts would be: every stage reaches it over SASL/PLAIN on TLS (its keystore made here with the JDK's
+`keytool`), the password given to each process as a `${ENV}` reference, never written into
+`runs/` or a log; a client with a wrong password is refused in one line. The test creates the namespaces and
 links itself and removes them (with every process it started) at the end; where the kernel or
 the user cannot create them, it fails saying so, never skips. The outside view (`outside.py`, run
 in namespace A: the root namespace has no link to them) checks versions 0..N, each pushed to the
@@ -23,11 +26,13 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
+from keystores import make_keystore
 
 pytestmark = pytest.mark.e2e
 
@@ -36,7 +41,24 @@ TAG = f"{os.getpid() % 100000}"
 NS = {h: f"srl{TAG}{h}" for h in "abc"}
 A_TO_B, B_ADDR, A_TO_C, C_ADDR = "10.231.1.1", "10.231.1.2", "10.231.3.1", "10.231.3.2"
 STEPS = 3
-KAFKA_PORT, SERVER_PORT, SYNC_PORT = 9092, 8100, 29500
+KAFKA_PORT, SASL_PORT, SERVER_PORT, SYNC_PORT = 9092, 9094, 8100, 29500
+"""KAFKA_PORT: the broker's own PLAINTEXT listener, on A's loopback (its readiness probe and the
+outside view, both run in A); SASL_PORT: the clients' listener, on 10.231.1.1."""
+PASSWORD = "alice-" + uuid.uuid4().hex
+PASSWORD_ENV = "SRL_HOSTS_KAFKA_PASSWORD"
+SECURED_BROKER = """
+import json, os, sys
+from pathlib import Path
+from stream_rl.kafka.broker import LocalBroker
+from stream_rl.kafka.listener import SaslSslListener
+spec = json.loads(os.environ["SRL_HOSTS_BROKER"])
+listener = SaslSslListener(
+    port=spec["sasl_port"], keystore=Path(spec["keystore"]), keystore_password=spec["store_password"],
+    ca_pem=Path(spec["ca"]), users={"alice": spec["password"]},
+)
+LocalBroker(spec["dir"], port=spec["port"], host=spec["host"], listener=listener).up(quiet=True)
+"""
+"""Started in namespace A (`LocalBroker` with a SASL_SSL listener; `kafka up` has no flag for it)."""
 
 
 def sh(*cmd: str) -> None:
@@ -99,7 +121,7 @@ class Procs:
 
     def start(self, name: str, host: str, *args: str) -> subprocess.Popen[bytes]:
         log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 - the child holds it
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", PASSWORD_ENV: PASSWORD}
         proc = subprocess.Popen(
             in_ns(host, sys.executable, "-m", "stream_rl.cli", *args),
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -134,12 +156,22 @@ def across(hosts: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> I
     tmp = tmp_path_factory.mktemp("hosts")
     model = make_model(tmp / "tiny", "tiny", seed=0)
     run = f"hosts{TAG}"
-    bootstrap, server = f"{A_TO_B}:{KAFKA_PORT}", f"http://{B_ADDR}:{SERVER_PORT}"
+    bootstrap, server = f"{A_TO_B}:{SASL_PORT}", f"http://{B_ADDR}:{SERVER_PORT}"
+    store_password = uuid.uuid4().hex
+    keystore, ca = make_keystore(tmp, store_password, sans=f"ip:{A_TO_B}")
     cfg = {
         "run": run,
         "runs_dir": str(tmp / "runs"),
         "model": {"path": str(model)},
-        "kafka": {"bootstrap": bootstrap, "partitions": 2},
+        "kafka": {
+            "bootstrap": bootstrap,
+            "partitions": 2,
+            "client_properties": {
+                "security.protocol": "SASL_SSL", "sasl.mechanism": "PLAIN", "sasl.username": "alice",
+                "ssl.ca.location": str(ca),
+            },
+            "secret_properties": {"sasl.password": f"${{{PASSWORD_ENV}}}"},
+        },
         "task": {"name": "arithmetic", "params": {"num_problems": 64}},
         "inference": {"num_servers": 0, "servers": [{"url": server}]},
         "actor": {"group_size": 4, "max_lag": 1, "sampling": {"max_tokens": 4}},
@@ -153,16 +185,33 @@ def across(hosts: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> I
     procs = Procs(tmp)
     kafka_dir = str(tmp / "kafka")
     try:
+        spec = {
+            "dir": kafka_dir, "port": KAFKA_PORT, "host": A_TO_B, "sasl_port": SASL_PORT,
+            "keystore": str(keystore), "ca": str(ca), "store_password": store_password, "password": PASSWORD,
+        }  # fmt: skip
         up = subprocess.run(
-            in_ns("a", sys.executable, "-m", "stream_rl.cli", "kafka", "up", "--quiet", "--data-dir", kafka_dir,
-                  "--port", str(KAFKA_PORT), "--host", A_TO_B),
+            in_ns("a", sys.executable, "-c", SECURED_BROKER),
             cwd=REPO, capture_output=True, text=True, timeout=120,
+            env={**os.environ, "SRL_HOSTS_BROKER": json.dumps(spec)},
         )  # fmt: skip
-        assert up.returncode == 0 and up.stdout.strip() == bootstrap, up.stdout + up.stderr
+        assert up.returncode == 0, up.stdout + up.stderr
+        apply = in_ns("c", sys.executable, "-m", "stream_rl.cli", "topics", "apply", "--config", str(config))
+        wrong = subprocess.run(
+            apply,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, PASSWORD_ENV: "wrong"},
+        )
         topics = subprocess.run(
-            in_ns("c", sys.executable, "-m", "stream_rl.cli", "topics", "apply", "--config", str(config)),
-            cwd=REPO, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            apply,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, PASSWORD_ENV: PASSWORD},
+        )
         assert topics.returncode == 0, topics.stdout + topics.stderr
         procs.start(
             "server", "b", "serve", "--model", str(model), "--host", B_ADDR, "--port", str(SERVER_PORT)
@@ -186,11 +235,16 @@ def across(hosts: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> I
         logs = {name: procs.log(name) for name in procs.procs}
         assert rc == 0, f"trainer rc {rc}:\n" + "\n".join(f"--- {n}\n{t}" for n, t in logs.items())
         dump = subprocess.run(
-            in_ns("a", sys.executable, str(Path(__file__).with_name("outside.py")), bootstrap, run),
+            in_ns("a", sys.executable, str(Path(__file__).with_name("outside.py")), f"127.0.0.1:{KAFKA_PORT}", run),
             cwd=REPO, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert dump.returncode == 0, dump.stderr
-        yield {"server": server, "logs": logs, **json.loads(dump.stdout)}
+        written = [p for p in (tmp / "runs").rglob("*") if p.is_file()] + list(tmp.glob("*.log"))
+        leaked = [str(p) for p in written if PASSWORD.encode() in p.read_bytes()]
+        yield {
+            "server": server, "logs": logs, "wrong": wrong, "written": written, "leaked": leaked,
+            **json.loads(dump.stdout),
+        }  # fmt: skip
     finally:
         procs.stop()
         subprocess.run(
@@ -230,3 +284,13 @@ def test_a_pipeline_across_three_hosts_trains_and_pushes_weights_between_them(
     spans = across["batched_span_versions"]
     assert isinstance(spans, list) and spans and set(spans) <= set(range(STEPS + 1))
     assert max(spans) >= 1, "samples generated after the first push carry its version"
+
+
+def test_kafka_across_hosts_takes_credentials_and_keeps_them_secret(across: dict[str, object]) -> None:
+    wrong = across["wrong"]
+    assert isinstance(wrong, subprocess.CompletedProcess)
+    assert wrong.returncode == 2
+    err = wrong.stderr.strip().splitlines()
+    assert len(err) == 1 and "refused our credentials" in err[0], wrong.stderr
+    assert across["written"], "the stages wrote their run directories"
+    assert across["leaked"] == [], "the password reached a file"

@@ -5,13 +5,12 @@ credentials, none, or no CA gets one line naming the problem; no secret reaches 
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from keystores import make_keystore
 
 from stream_rl.cli import main as cli_main
 from stream_rl.config import load_config
@@ -27,28 +26,10 @@ PASSWORD = "alice-" + uuid.uuid4().hex
 STORE_PASSWORD = uuid.uuid4().hex
 
 
-def _keystore(d: Path) -> tuple[Path, Path]:
-    """A self-signed EC key and certificate for 127.0.0.1/localhost, as PKCS12 plus its PEM."""
-    keytool = shutil.which("keytool")
-    assert keytool, "keytool (the JDK's) is not on PATH: the local broker needs a JDK 17 anyway"
-    store, pem = d / "broker.p12", d / "ca.pem"
-    common = ["-keystore", str(store), "-storepass", STORE_PASSWORD, "-alias", "broker"]
-    subprocess.run(
-        [keytool, "-genkeypair", *common, "-keyalg", "EC", "-groupname", "secp256r1", "-validity", "2",
-         "-dname", "CN=localhost", "-ext", "SAN=ip:127.0.0.1,dns:localhost", "-storetype", "PKCS12",
-         "-keypass", STORE_PASSWORD],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    subprocess.run(
-        [keytool, "-exportcert", *common, "-rfc", "-file", str(pem)], check=True, capture_output=True
-    )
-    return store, pem
-
-
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SaslSslListener]:
     d = tmp_path_factory.mktemp("sasl")
-    store, pem = _keystore(d)
+    store, pem = make_keystore(d, STORE_PASSWORD)
     listener = SaslSslListener(
         port=free_port(),
         keystore=store,
