@@ -15,14 +15,22 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import confluent_kafka as ck
 import pytest
 import yaml
-from outside import Decoder, committed, read_topic, topic
+from chaos_checks import (
+    collect,
+    none_trained_twice,
+    nothing_lost,
+    trained,
+    versions_gapless,
+    within_lag_bound,
+)
+from outside import Decoder, topic
 
 pytestmark = pytest.mark.e2e
 
@@ -175,37 +183,12 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         if proc.poll() is None:
             proc.kill()
     out = (tmp / "launcher.log").read_text(errors="replace")
-    data: dict[str, Any] = {"rc": proc.returncode, "log": out, "done": done, "plan": PLAN}
     try:
-        for name in ("problems", "problems.dlq", "raw-rollouts", "scored", "scored.dlq", "training-batches"):
-            data[name] = [
-                (p, o, decoder.decode(v)[1] if v else None)
-                for p, o, v in read_topic(bootstrap, topic(RUN, name))
-            ]
-        data["weight-versions"] = [
-            decoder.decode(v)[1] for _p, _o, v in read_topic(bootstrap, topic(RUN, "weight-versions")) if v
-        ]
-        for group, name in (("actor", "problems"), ("verifier", "raw-rollouts"), ("preprocessor", "scored")):
-            data[f"committed.{group}"] = committed(bootstrap, f"stream-rl.{RUN}.{group}", topic(RUN, name))
+        data = collect(bootstrap, RUN, decoder)
     finally:
         broker.down(quiet=True)
+    data.update({"rc": proc.returncode, "log": out, "done": done, "plan": PLAN})
     return data
-
-
-def _trained(data: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
-    """(weights version that trained it, sample) of every sample the final lineage consumed."""
-    versions = {}
-    for wv in data["weight-versions"]:
-        versions.setdefault(wv["version"], wv)
-    bounds = sorted((v, sum(o["offset"] for o in wv["consumed_offsets"])) for v, wv in versions.items())
-    out = []
-    for _p, offset, batch in data["training-batches"]:
-        if batch is None:
-            continue
-        step = next((v for v, end in bounds if offset < end), None)
-        if step is not None:
-            out.extend((step - 1, s) for s in batch["samples"])
-    return out
 
 
 def test_the_run_finished_through_every_kill_and_bounce(chaos: dict[str, Any]) -> None:
@@ -213,53 +196,19 @@ def test_the_run_finished_through_every_kill_and_bounce(chaos: dict[str, Any]) -
     assert len(chaos["done"]) == len(PLAN), (chaos["done"], chaos["log"][-3000:])
     for child in ("actor-0", "verifier-0", "preprocessor-0", "trainer", "server-0"):
         assert f"restarting {child}" in chaos["log"], child
-    versions = sorted({wv["version"] for wv in chaos["weight-versions"]})
-    assert versions == list(range(MAX_STEPS + 1)), "versions 0..max_steps, gapless"
+    versions_gapless(chaos, MAX_STEPS)
 
 
 def test_nothing_lost(chaos: dict[str, Any]) -> None:
-    # Actor: every committed problem has its whole group in raw-rollouts, or is in problems.dlq.
-    rollouts: dict[str, set[int]] = defaultdict(set)
-    for _p, _o, r in chaos["raw-rollouts"]:
-        rollouts[r["group_id"]].add(r["sample_index"])
-    dlq = {(p["problem_id"], p["epoch"]) for _p, _o, p in chaos["problems.dlq"] if p}
-    for part, offset, problem in chaos["problems"]:
-        if offset < chaos["committed.actor"].get(part, -1):
-            gid = f"{problem['problem_id']}.e{problem['epoch']}"
-            assert rollouts[gid] == set(range(GROUP)) or (problem["problem_id"], problem["epoch"]) in dlq, gid
-    # Verifier: every committed rollout is scored.
-    scored = {s["rollout"]["rollout_id"] for _p, _o, s in chaos["scored"]}
-    for part, offset, r in chaos["raw-rollouts"]:
-        if offset < chaos["committed.verifier"].get(part, -1):
-            assert r["rollout_id"] in scored
-    # Preprocessor: every committed scored group reached training-batches whole, or its DLQ.
-    batched: dict[str, set[str]] = defaultdict(set)
-    for _p, _o, b in chaos["training-batches"]:
-        for s in (b or {}).get("samples", []):
-            batched[s["group_id"]].add(s["rollout_id"])
-    dead = {s["rollout"]["group_id"] for _p, _o, s in chaos["scored.dlq"] if s}
-    for part, offset, s in chaos["scored"]:
-        gid = s["rollout"]["group_id"]
-        if offset < chaos["committed.preprocessor"].get(part, -1):
-            assert len(batched[gid]) == GROUP or gid in dead, gid
+    nothing_lost(chaos, GROUP)
 
 
 def test_no_sample_trained_twice_and_groups_whole(chaos: dict[str, Any]) -> None:
-    ids = [s["rollout_id"] for _p, _o, b in chaos["training-batches"] if b for s in b["samples"]]
-    assert len(ids) == len(set(ids)), "a sample reached training-batches twice"
-    trained = [s["rollout_id"] for _v, s in _trained(chaos)]
-    assert len(trained) >= MAX_STEPS * STEP
-    assert len(trained) == len(set(trained)), "a sample was trained twice"
-    sizes = Counter(s["group_id"] for _p, _o, b in chaos["training-batches"] if b for s in b["samples"])
-    assert set(sizes.values()) == {GROUP}
+    none_trained_twice(chaos, GROUP, at_least=MAX_STEPS * STEP)
 
 
 def test_every_trained_sample_within_the_lag_bound(chaos: dict[str, Any]) -> None:
-    lags = [
-        v - min(sp["version"] for sp in s["version_spans"]) for v, s in _trained(chaos) if s["version_spans"]
-    ]
-    # max_lag is an admission bound: a group overtaken downstream can train at max_lag + 1.
-    assert max(lags) <= MAX_LAG + 1, Counter(lags)
+    within_lag_bound(chaos, MAX_LAG)
 
 
 def test_epochs_stay_balanced(chaos: dict[str, Any]) -> None:
@@ -267,7 +216,7 @@ def test_epochs_stay_balanced(chaos: dict[str, Any]) -> None:
     drained one partition, all its epochs, first). Groups in flight together can finish out of
     order, so along the trained sequence the counts per problem differ by at most 2 (1 + that)."""
     order: list[str] = []
-    for _v, s in _trained(chaos):
+    for _v, s in trained(chaos):
         if s["group_id"] not in order:
             order.append(s["group_id"])
     assert len(order) >= PROBLEMS
