@@ -4,15 +4,21 @@ Measures serde cost (encode/decode µs per record), produce and consume throughp
 MB/s) and end-to-end latency (produce -> consume, p50/p99 at a fixed moderate rate, with the
 idempotent producer's acks=all and linger.ms=5 of the stages).
 
-    python bench/kafka_transport.py [--records 20000] [--bootstrap HOST:PORT]
+    python bench/kafka_transport.py [--records 20000] [--bootstrap HOST:PORT] [--jit c1|tiered]
+    python bench/kafka_transport.py --compare-jit 3 [--records 5000]
 
-Without --bootstrap it starts a throwaway local broker. Writes bench/results/kafka_transport.json.
+Without --bootstrap it starts a throwaway local broker, whose JIT is `--jit`: `c1` as shipped
+(`stream_rl.kafka.broker.BROKER_JIT`), `tiered` the JVM's default (C1 then C2); its CPU seconds
+from start to stop are reported. `--compare-jit N` runs both N times, alternating, and prints
+medians and the tiered/c1 ratios (bench/results/kafka_transport_jit.json). Writes
+bench/results/kafka_transport.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -22,6 +28,7 @@ import uuid
 from pathlib import Path
 
 from stream_rl.contracts import Rollout
+from stream_rl.kafka import broker as broker_module
 from stream_rl.kafka.broker import LocalBroker, free_port
 from stream_rl.kafka.client import KafkaTransport
 from stream_rl.kafka.serde import default_serde
@@ -104,17 +111,17 @@ def bench_latency(kafka: KafkaTransport, topic: str, blob: bytes, n: int, rate: 
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--records", type=int, default=20000)
-    ap.add_argument("--latency-records", type=int, default=2000)
-    ap.add_argument("--latency-rate", type=float, default=500.0)
-    ap.add_argument("--bootstrap", default=None)
-    args = ap.parse_args()
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+
+def measure(args: argparse.Namespace, jit: str) -> dict[str, float | None]:
     broker = None
-    broker_start_s = None
+    broker_start_s = broker_cpu_s = None
     if args.bootstrap is None:
+        broker_module.BROKER_JIT = list(JITS[jit])
         broker = LocalBroker(tempfile.mkdtemp(prefix="bench-kafka-"), port=free_port())
         t0 = time.perf_counter()
         bootstrap = broker.up(quiet=True).bootstrap
@@ -131,11 +138,77 @@ def main() -> None:
         blobs = [default_serde().encode(r) for r in records]
         thr = bench_throughput(kafka, topic, blobs)
         lat = bench_latency(kafka, lat_topic, blobs[0], args.latency_records, args.latency_rate)
+        if broker is not None:
+            st = broker.running()
+            broker_cpu_s = cpu_s(st.pid) if st is not None else None
     finally:
         if broker is not None:
             broker.down(quiet=True)
+    return {**serde, **thr, **lat, "broker_start_s": broker_start_s, "broker_cpu_s": broker_cpu_s}
 
-    result = {"records": args.records, **serde, **thr, **lat, "broker_start_s": broker_start_s}
+
+JITS = {"c1": tuple(broker_module.BROKER_JIT), "tiered": ()}
+
+
+def compare_jit(args: argparse.Namespace) -> None:
+    keys = (
+        "broker_cpu_s",
+        "broker_start_s",
+        "produce_records_per_s",
+        "consume_records_per_s",
+        "latency_p50_ms",
+        "latency_p99_ms",
+    )
+    runs: dict[str, list[dict[str, float | None]]] = {"c1": [], "tiered": []}
+    for i in range(args.compare_jit):
+        for jit in ("c1", "tiered") if i % 2 == 0 else ("tiered", "c1"):
+            runs[jit].append(measure(args, jit))
+            print(
+                f"  repeat {i + 1}/{args.compare_jit} {jit}: broker CPU {runs[jit][-1]['broker_cpu_s']:.1f} s",
+                flush=True,
+            )
+    med = {
+        jit: {k: statistics.median(float(r[k] or 0.0) for r in rs) for k in keys} for jit, rs in runs.items()
+    }
+    print(
+        f"\nLocal broker JIT, {args.records} records + {args.latency_records} latency probes, "
+        f"median of {args.compare_jit} (alternating)\n"
+    )
+    print(f"  {'figure':<24} {'c1 (shipped)':>14} {'tiered':>14} {'tiered / c1':>12}")
+    for k in keys:
+        c1, tiered = med["c1"][k], med["tiered"][k]
+        print(f"  {k:<24} {c1:>14.2f} {tiered:>14.2f} {tiered / c1 if c1 else float('nan'):>12.2f}")
+    out = RESULTS.with_name("kafka_transport_jit.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {"records": args.records, "repeats": args.compare_jit, "runs": runs, "median": med}, indent=2
+        )
+    )
+    print(f"\nwrote {out}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--records", type=int, default=20000)
+    ap.add_argument("--latency-records", type=int, default=2000)
+    ap.add_argument("--latency-rate", type=float, default=500.0)
+    ap.add_argument("--bootstrap", default=None)
+    ap.add_argument("--jit", choices=sorted(JITS), default="c1", help="the throwaway broker's JIT")
+    ap.add_argument(
+        "--compare-jit", type=int, default=0, metavar="N", help="c1 against tiered, N repeats each"
+    )
+    args = ap.parse_args()
+    if args.bootstrap is not None and (args.compare_jit or args.jit != "c1"):
+        ap.error("--jit and --compare-jit choose the throwaway broker's JIT: not with --bootstrap")
+    if args.compare_jit:
+        compare_jit(args)
+        return
+    m = measure(args, args.jit)
+    serde = thr = lat = m
+    broker_start_s = m["broker_start_s"]
+
+    result = {"records": args.records, "jit": args.jit, **m}
     rows = [
         ("record size (Avro single object)", f"{serde['record_bytes_mean']:.0f} B"),
         ("encode", f"{serde['encode_us']:.1f} µs/record"),
