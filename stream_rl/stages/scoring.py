@@ -38,7 +38,11 @@ Job = tuple[Problem, str, str]
 
 
 def _worker_main(conn: multiprocessing.connection.Connection, task: Task) -> None:
+    # The verifier owns its workers' lives (`close`, or SIGKILL on a timeout; its death ends them
+    # by EOF): a Ctrl-C or a SIGTERM to the whole process group must not kill them under a batch
+    # the verifier is finishing before it stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         _serve(conn, task)
     except (EOFError, ConnectionError, BrokenPipeError):
@@ -145,6 +149,8 @@ class ScoringPool:
                         continue
                     worker.job, worker.deadline = nxt, time.monotonic() + self.timeout_s
             busy = [w for w in self._workers if w.job is not None]
+            if not busy:  # every idle worker was found dead and replaced: send again (once ready)
+                continue
             wait = max(min(w.deadline for w in busy) - time.monotonic(), 0.0)
             ready = set(multiprocessing.connection.wait([w.conn for w in busy], timeout=wait))
             now = time.monotonic()

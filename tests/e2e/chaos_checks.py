@@ -94,3 +94,10 @@ def within_lag_bound(data: dict[str, Any], max_lag: int) -> None:
     ]
     # max_lag is an admission bound: a group overtaken downstream can train at max_lag + 1.
     assert max(lags) <= max_lag + 1, Counter(lags)
+
+
+if __name__ == "__main__":  # `python chaos_checks.py BOOTSTRAP RUN`: `collect` as JSON (for a test
+    import json  # whose own process cannot reach the broker: tests/e2e/test_several_hosts.py)
+    import sys
+
+    print(json.dumps(collect(sys.argv[1], sys.argv[2], Decoder()), default=str))

@@ -79,31 +79,3 @@ def committed(bootstrap: str, group: str, name: str) -> dict[int, int]:
         return {r.partition: r.offset for r in res}
     finally:
         consumer.close()
-
-
-def main(argv: list[str]) -> int:
-    """`python outside.py BOOTSTRAP RUN`: the run's weight versions and the versions its batched
-    samples' spans name, as JSON (for a test whose broker its own process cannot reach)."""
-    bootstrap, run = argv
-    decoder = Decoder()
-    versions = {}
-    for _p, _o, v in read_topic(bootstrap, topic(run, "weight-versions")):
-        if v:
-            wv = decoder.decode(v)[1]
-            versions.setdefault(wv["version"], wv)
-    spans = [
-        sp["version"]
-        for _p, _o, v in read_topic(bootstrap, topic(run, "training-batches"))
-        if v
-        for s in decoder.decode(v)[1]["samples"]
-        for sp in s["version_spans"]
-    ]
-    ordered = [versions[k] for k in sorted(versions)]
-    print(json.dumps({"versions": ordered, "batched_span_versions": spans}, default=str))
-    return 0
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(main(sys.argv[1:]))

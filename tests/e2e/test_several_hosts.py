@@ -20,8 +20,10 @@ server in B, and trained tokens sampled under those versions.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,9 +31,11 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
+from chaos_checks import none_trained_twice, nothing_lost, within_lag_bound
 from keystores import make_keystore
 
 pytestmark = pytest.mark.e2e
@@ -40,7 +44,12 @@ REPO = Path(__file__).resolve().parents[2]
 TAG = f"{os.getpid() % 100000}"
 NS = {h: f"srl{TAG}{h}" for h in "abc"}
 A_TO_B, B_ADDR, A_TO_C, C_ADDR = "10.231.1.1", "10.231.1.2", "10.231.3.1", "10.231.3.2"
-STEPS = 3
+STEPS, GROUP = 8, 4
+SCALE_AT, STOP_AT = 2, 5
+"""At version SCALE_AT a second actor (in B) and a second verifier (in C) join their groups; at
+STOP_AT the first of each is stopped (SIGTERM to its process group): static members, they do not
+leave, so their partitions pass to the others when their session expires (README "Scaling during
+a run"); the trainer's log times both."""
 KAFKA_PORT, SASL_PORT, SERVER_PORT, SYNC_PORT = 9092, 9094, 8100, 29500
 """KAFKA_PORT: the broker's own PLAINTEXT listener, on A's loopback (its readiness probe and the
 outside view, both run in A); SASL_PORT: the clients' listener, on 10.231.1.1."""
@@ -129,8 +138,9 @@ class Procs:
         self.procs[name] = proc
         return proc
 
-    def log(self, name: str) -> str:
-        return (self.logs / f"{name}.log").read_text(errors="replace")[-3000:]
+    def log(self, name: str, tail: int = 3000) -> str:
+        """The end of a process's output (`tail` 0: all of it)."""
+        return (self.logs / f"{name}.log").read_text(errors="replace")[-tail:]
 
     def stop(self) -> None:
         for proc in self.procs.values():
@@ -150,7 +160,7 @@ def _healthy_in_b(url: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def across(hosts: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
+def across(hosts: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     from stream_rl.inference.model_maker import make_model
 
     tmp = tmp_path_factory.mktemp("hosts")
@@ -171,10 +181,13 @@ def across(hosts: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> I
                 "ssl.ca.location": str(ca),
             },
             "secret_properties": {"sasl.password": f"${{{PASSWORD_ENV}}}"},
+            # A stopped static member's partitions wait out its session, max(30 s, this): 120 s at
+            # the default (measured here: the run stood still for 121 s after the stop).
+            "outage_timeout_s": 30,
         },
         "task": {"name": "arithmetic", "params": {"num_problems": 64}},
         "inference": {"num_servers": 0, "servers": [{"url": server}]},
-        "actor": {"group_size": 4, "max_lag": 1, "sampling": {"max_tokens": 4}},
+        "actor": {"group_size": GROUP, "max_lag": 1, "sampling": {"max_tokens": 4}},
         "trainer": {
             "samples_per_step": 16, "max_steps": STEPS, "bucket_mb": 1,
             "sync_master_addr": A_TO_B, "sync_master_port": SYNC_PORT,
@@ -225,17 +238,34 @@ def across(hosts: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> I
             time.sleep(1)
         trainer = procs.start("trainer", "a", "trainer", "--config", str(config), "--max-steps", str(STEPS))
         procs.start("loader", "a", "loader", "--config", str(config))
-        procs.start("actor", "b", "actor", "--config", str(config))
-        procs.start("verifier", "c", "verifier", "--config", str(config))
+        procs.start("actor-0", "b", "actor", "--config", str(config), "--instance", "0")
+        procs.start("verifier-0", "c", "verifier", "--config", str(config), "--instance", "0")
         procs.start("preprocessor", "c", "preprocessor", "--config", str(config))
-        try:
-            rc = trainer.wait(300)
-        except subprocess.TimeoutExpired:
-            rc = None
+        scaled: list[str] = []
+        deadline = time.monotonic() + 300
+        while trainer.poll() is None and time.monotonic() < deadline:
+            version = max(
+                (int(v) for v in re.findall(r"version (\d+): ", procs.log("trainer", 0))), default=0
+            )
+            if version >= SCALE_AT and not scaled:
+                procs.start("actor-1", "b", "actor", "--config", str(config), "--instance", "1")
+                procs.start("verifier-1", "c", "verifier", "--config", str(config), "--instance", "1")
+                scaled.append(f"added actor-1, verifier-1@{version}")
+            if version >= STOP_AT and len(scaled) == 1:
+                for name in ("actor-0", "verifier-0"):
+                    os.killpg(procs.procs[name].pid, signal.SIGTERM)
+                scaled.append(f"stopped actor-0, verifier-0@{version}")
+            time.sleep(0.5)
+        rc = trainer.poll()
+        stopped_rc = {}
+        if len(scaled) == 2:
+            for name in ("actor-0", "verifier-0"):
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    stopped_rc[name] = procs.procs[name].wait(30)
         logs = {name: procs.log(name) for name in procs.procs}
         assert rc == 0, f"trainer rc {rc}:\n" + "\n".join(f"--- {n}\n{t}" for n, t in logs.items())
         dump = subprocess.run(
-            in_ns("a", sys.executable, str(Path(__file__).with_name("outside.py")), f"127.0.0.1:{KAFKA_PORT}", run),
+            in_ns("a", sys.executable, str(Path(__file__).with_name("chaos_checks.py")), f"127.0.0.1:{KAFKA_PORT}", run),
             cwd=REPO, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert dump.returncode == 0, dump.stderr
@@ -243,7 +273,7 @@ def across(hosts: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> I
         leaked = [str(p) for p in written if PASSWORD.encode() in p.read_bytes()]
         yield {
             "server": server, "logs": logs, "wrong": wrong, "written": written, "leaked": leaked,
-            **json.loads(dump.stdout),
+            "scaled": scaled, "stopped_rc": stopped_rc, **json.loads(dump.stdout),
         }  # fmt: skip
     finally:
         procs.stop()
@@ -273,20 +303,35 @@ def test_the_namespaces_reach_each_other_only_through_their_links(hosts: dict[st
             p.wait()
 
 
-def test_a_pipeline_across_three_hosts_trains_and_pushes_weights_between_them(
-    across: dict[str, object],
-) -> None:
-    versions = across["versions"]
-    assert isinstance(versions, list)
-    assert [v["version"] for v in versions] == list(range(STEPS + 1))
+def test_a_pipeline_across_three_hosts_trains_and_pushes_weights_between_them(across: dict[str, Any]) -> None:
+    versions = {v["version"]: v for v in across["weight-versions"]}
+    assert sorted(versions) == list(range(STEPS + 1))
     # Every update was installed on the server in B over gloo from the trainer in A.
-    assert all(v["servers_updated"] == [across["server"]] and not v["servers_failed"] for v in versions[1:])
-    spans = across["batched_span_versions"]
-    assert isinstance(spans, list) and spans and set(spans) <= set(range(STEPS + 1))
+    assert all(versions[v]["servers_updated"] == [across["server"]] for v in range(1, STEPS + 1))
+    assert not any(versions[v]["servers_failed"] for v in versions)
+    spans = [
+        sp["version"]
+        for _p, _o, b in across["training-batches"]
+        if b
+        for s in b["samples"]
+        for sp in s["version_spans"]
+    ]
+    assert spans and set(spans) <= set(versions)
     assert max(spans) >= 1, "samples generated after the first push carry its version"
 
 
-def test_kafka_across_hosts_takes_credentials_and_keeps_them_secret(across: dict[str, object]) -> None:
+def test_consumers_added_and_stopped_during_the_run_lose_and_repeat_nothing(across: dict[str, Any]) -> None:
+    assert len(across["scaled"]) == 2, across["scaled"]
+    assert across["stopped_rc"] == {"actor-0": 0, "verifier-0": 0}, "SIGTERM is a clean stop"
+    actors = {r["actor_id"] for _p, _o, r in across["raw-rollouts"]}
+    verifiers = {s["verifier_id"] for _p, _o, s in across["scored"]}
+    assert actors == {"actor-0", "actor-1"} and verifiers == {"verifier-0", "verifier-1"}
+    nothing_lost(across, GROUP)
+    none_trained_twice(across, GROUP, at_least=STEPS * 16)
+    within_lag_bound(across, 1)
+
+
+def test_kafka_across_hosts_takes_credentials_and_keeps_them_secret(across: dict[str, Any]) -> None:
     wrong = across["wrong"]
     assert isinstance(wrong, subprocess.CompletedProcess)
     assert wrong.returncode == 2

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from dataclasses import replace
 
 import fakes.tasks  # noqa: F401 - registers the `unruly` task
@@ -46,6 +49,33 @@ def test_pool_turns_raises_hangs_and_crashes_into_verdicts_and_recovers() -> Non
         assert pool.restarts == 3  # two hung workers killed, one crashed worker replaced
         # The replaced workers score normally.
         assert [s.verdict for s in pool.score_many([job("5"), job("6")])] == [Verdict.CORRECT, Verdict.WRONG]
+    finally:
+        pool.close()
+
+
+def test_workers_found_dead_while_idle_are_replaced_and_score_the_batch() -> None:
+    """All workers dead between batches (before: `min() arg is an empty sequence` from the pool,
+    when a SIGTERM to the verifier's process group had killed them): replaced, the jobs scored."""
+    pool = ScoringPool(get_task("unruly"), workers=2, timeout_s=5.0)
+    try:
+        assert [s.verdict for s in pool.score_many([job("5")])] == [Verdict.CORRECT]
+        for worker in pool._workers:
+            worker.process.kill()
+            worker.process.join(5)
+        assert [s.verdict for s in pool.score_many([job("5"), job("6")])] == [Verdict.CORRECT, Verdict.WRONG]
+        assert pool.restarts == 2
+    finally:
+        pool.close()
+
+
+def test_workers_outlive_a_sigterm_to_the_process_group() -> None:
+    pool = ScoringPool(get_task("unruly"), workers=1, timeout_s=5.0)
+    try:
+        pool.score_many([job("5")])  # started and ready
+        os.kill(pool._workers[0].process.pid, signal.SIGTERM)
+        time.sleep(0.3)
+        assert pool._workers[0].process.is_alive()
+        assert [s.verdict for s in pool.score_many([job("5")])] == [Verdict.CORRECT] and pool.restarts == 0
     finally:
         pool.close()
 
