@@ -245,6 +245,11 @@ class StageLoop(Generic[T]):
         self.consumer.commit(offsets)
         self._last_commit = time.monotonic()
 
+    def _on_assign(self, partitions: list[TopicPartition]) -> None:
+        log.info("%s: partitions %s assigned", self.name, sorted(p for _t, p in partitions))
+        if self._user_on_assign:
+            self._user_on_assign(partitions)
+
     def _on_revoke(self, partitions: list[TopicPartition]) -> None:
         """Commit the revoked partitions' flushed offsets first (their next owner starts there)."""
         mine = {tp: o for tp, o in self._uncommitted.items() if tp in set(partitions)}
@@ -316,7 +321,7 @@ class StageLoop(Generic[T]):
     # -- the loop --------------------------------------------------------------------------
     def run(self, max_records: int | None = None, idle_timeout_s: float | None = None) -> StageStats:
         """Run until stopped, `max_records` consumed, or `idle_timeout_s` without input."""
-        self.consumer.subscribe([self.input_topic], on_assign=self._user_on_assign, on_revoke=self._on_revoke)
+        self.consumer.subscribe([self.input_topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
         heap.settle()
         last_input = time.monotonic()
         try:

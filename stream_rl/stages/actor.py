@@ -159,6 +159,9 @@ class Actor:
             return
         self.admission.update_view(view)
 
+    def _on_assign(self, partitions: list[TopicPartition]) -> None:
+        log.info("%s: partitions %s assigned", self.actor_id, sorted(p for _t, p in partitions))
+
     def _on_revoke(self, partitions: list[TopicPartition]) -> None:
         """Poll thread: commit what is durable, hand the rest to the loop to cancel."""
         offsets = self.tracker.committable()
@@ -440,7 +443,7 @@ class Actor:
         self.consumer = self.transport.consumer(self.group, self.actor_id, self.instance_id)
         self.producer = self.transport.producer(self.actor_id)
         try:
-            self.consumer.subscribe([self.topic], on_revoke=self._on_revoke)
+            self.consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
             await self._refresh(force=True)
             heap.settle()
             await self._loop(max_records, idle_timeout_s)

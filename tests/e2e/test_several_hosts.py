@@ -45,8 +45,9 @@ TAG = f"{os.getpid() % 100000}"
 NS = {h: f"srl{TAG}{h}" for h in "abc"}
 A_TO_B, B_ADDR, A_TO_C, C_ADDR = "10.231.1.1", "10.231.1.2", "10.231.3.1", "10.231.3.2"
 STEPS, GROUP = 8, 4
-SCALE_AT, STOP_AT = 2, 5
-"""At version SCALE_AT a second actor (in B) and a second verifier (in C) join their groups; at
+SCALE_AT, STOP_AT = 1, 5
+"""At version SCALE_AT a second actor (in B) and a second verifier (in C) join their groups (the
+trainer paused until they hold partitions: `_join`); at
 STOP_AT the first of each is stopped (SIGTERM to its process group): static members, they do not
 leave, so their partitions pass to the others when their session expires (README "Scaling during
 a run"); the trainer's log times both."""
@@ -154,6 +155,25 @@ class Procs:
                 proc.wait(10)
 
 
+def _join(procs: Procs, trainer: subprocess.Popen[bytes], config: Path) -> str:
+    """Start actor-1 (B) and verifier-1 (C) with the trainer paused (SIGSTOP: the run cannot end
+    before they join; 25 s at most, within the trainer's 30 s session), until both have partitions."""
+    os.kill(trainer.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        procs.start("actor-1", "b", "actor", "--config", str(config), "--instance", "1")
+        procs.start("verifier-1", "c", "verifier", "--config", str(config), "--instance", "1")
+        joined = {}
+        while len(joined) < 2 and time.monotonic() - started < 25:
+            for name in ("actor-1", "verifier-1"):
+                if name not in joined and re.search(r"partitions \[\d", procs.log(name, 0)):
+                    joined[name] = round(time.monotonic() - started, 1)
+            time.sleep(0.2)
+        return f"seconds from start to partitions assigned {joined}"
+    finally:
+        os.kill(trainer.pid, signal.SIGCONT)
+
+
 def _healthy_in_b(url: str) -> bool:
     probe = f"import urllib.request; urllib.request.urlopen('{url}/health', timeout=2)"
     return subprocess.run(in_ns("b", sys.executable, "-c", probe), capture_output=True).returncode == 0
@@ -248,9 +268,7 @@ def across(hosts: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> I
                 (int(v) for v in re.findall(r"version (\d+): ", procs.log("trainer", 0))), default=0
             )
             if version >= SCALE_AT and not scaled:
-                procs.start("actor-1", "b", "actor", "--config", str(config), "--instance", "1")
-                procs.start("verifier-1", "c", "verifier", "--config", str(config), "--instance", "1")
-                scaled.append(f"added actor-1, verifier-1@{version}")
+                scaled.append(f"added actor-1, verifier-1@{version}: {_join(procs, trainer, config)}")
             if version >= STOP_AT and len(scaled) == 1:
                 for name in ("actor-0", "verifier-0"):
                     os.killpg(procs.procs[name].pid, signal.SIGTERM)
@@ -322,6 +340,8 @@ def test_a_pipeline_across_three_hosts_trains_and_pushes_weights_between_them(ac
 
 def test_consumers_added_and_stopped_during_the_run_lose_and_repeat_nothing(across: dict[str, Any]) -> None:
     assert len(across["scaled"]) == 2, across["scaled"]
+    print(across["scaled"])
+    assert "'actor-1'" in across["scaled"][0] and "'verifier-1'" in across["scaled"][0], across["scaled"]
     assert across["stopped_rc"] == {"actor-0": 0, "verifier-0": 0}, "SIGTERM is a clean stop"
     actors = {r["actor_id"] for _p, _o, r in across["raw-rollouts"]}
     verifiers = {s["verifier_id"] for _p, _o, s in across["scored"]}

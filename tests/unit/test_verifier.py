@@ -58,7 +58,10 @@ def test_workers_found_dead_while_idle_are_replaced_and_score_the_batch() -> Non
     when a SIGTERM to the verifier's process group had killed them): replaced, the jobs scored."""
     pool = ScoringPool(get_task("unruly"), workers=2, timeout_s=5.0)
     try:
-        assert [s.verdict for s in pool.score_many([job("5")])] == [Verdict.CORRECT]
+        # Two jobs: both workers are started and ready (a worker killed before it said ready is
+        # a failed start, a TaskError, not this case).
+        assert [s.verdict for s in pool.score_many([job("5"), job("6")])] == [Verdict.CORRECT, Verdict.WRONG]
+        assert all(w.ready for w in pool._workers)
         for worker in pool._workers:
             worker.process.kill()
             worker.process.join(5)
