@@ -261,6 +261,8 @@ class Launcher(Supervision):
             watchdog = Watchdog(stall_s) if stall_s is not None else None
             while not self.stop:
                 if not self.check_children():
+                    if self.exit_reason == "trainer finished":
+                        self.read_final(monitor)
                     break
                 monitor.tick()
                 if watchdog is not None and monitor.sample is not None:

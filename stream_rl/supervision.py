@@ -16,6 +16,7 @@ from typing import Any
 
 from stream_rl.children import Child, child_env, die_with_parent
 from stream_rl.config import RunConfig
+from stream_rl.contracts import WeightVersionKind
 from stream_rl.errors import StreamRLError
 from stream_rl.kafka.stage import StopFlag
 from stream_rl.watchdog import Watchdog
@@ -216,6 +217,20 @@ class Supervision:
                     )
                     child.proc.kill()
                     child.proc.wait()
+
+    def read_final(self, monitor: Any, timeout_s: float = 15.0) -> None:
+        """The trainer exited 0 before the monitor read its last versions (it polls every 0.5 s):
+        read them, so that a run that reached max_steps says so (seen on a loaded machine: the
+        summary said "trainer finished", which the run listing takes for a stopped run)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            monitor.tick()
+            latest = monitor.latest
+            if latest is not None and latest.kind == WeightVersionKind.FINAL:
+                self.exit_reason = f"reached max_steps ({latest.step})"
+                self.wait_for_eval(monitor, latest.version, "the final version")
+                return
+            time.sleep(0.2)
 
     def wait_for_eval(self, monitor: Any, version: int, what: str) -> None:
         """With an evaluator: wait (up to `eval.timeout_s`) for its result of `version` (the final
