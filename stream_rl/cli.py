@@ -25,6 +25,11 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("evaluator", "stream_rl.stages.evaluator", "evaluate weight versions on the task's held-out split"),
     ("make-model", "stream_rl.warm_start", "write a tiny random model + tokenizer (HF directory)"),
     ("serve", "stream_rl.inference.server", "run the built-in inference server (OpenAI API + weight sync)"),
+    (
+        "servers",
+        "stream_rl.membership",
+        "inference servers joining or leaving a running run: join, leave, list",
+    ),
     ("run", "stream_rl.launch", "launch a whole run from a config: broker, topics, servers, stages"),
     ("report", "stream_rl.report", "re-derive a finished run's summary.json and plots"),
     ("runs", "stream_rl.runs", "list the runs in runs/: state, versions, reward, eval, where"),

@@ -6,7 +6,7 @@ ordered version spans); the serde calls it on both sides, so an invalid record n
 a stage: it goes to the DLQ instead.
 
 Split by role: `core` (protocol, enums, version spans), `records` (the rollout path),
-`versions` (weight versions), `evals` (eval results), `state` (the preprocessor's state).
+`versions` (weight versions), `evals` (eval results), `membership` (servers joining a run), `state` (the preprocessor's state).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from stream_rl.contracts.core import (
     validate_spans,
 )
 from stream_rl.contracts.evals import EvalResult
+from stream_rl.contracts.membership import MembershipState, ServerMembership
 from stream_rl.contracts.records import Problem, Rollout, ScoredRollout, TrainingBatch, TrainingSample
 from stream_rl.contracts.state import PartialGroup, PendingSample
 from stream_rl.contracts.versions import PartitionOffset, WeightVersion
@@ -36,6 +37,7 @@ CONTRACTS: dict[str, type[Contract]] = {
         WeightVersion,
         PartialGroup,
         EvalResult,
+        ServerMembership,
     )
 }
 
@@ -44,12 +46,14 @@ __all__ = [
     "ChatMessage",
     "Contract",
     "EvalResult",
+    "MembershipState",
     "PartialGroup",
     "PartitionOffset",
     "PendingSample",
     "Problem",
     "Rollout",
     "ScoredRollout",
+    "ServerMembership",
     "TrainingBatch",
     "TrainingSample",
     "Verdict",

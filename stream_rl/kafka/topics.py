@@ -27,6 +27,7 @@ SCORED = "scored"
 TRAINING_BATCHES = "training-batches"
 WEIGHT_VERSIONS = "weight-versions"
 EVAL_RESULTS = "eval-results"
+SERVERS = "servers"
 SCHEMAS = "_schemas"
 
 

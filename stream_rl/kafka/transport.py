@@ -130,6 +130,10 @@ class Transport(Protocol):
         """Committed offsets of a group on every partition of a topic (-1 where none)."""
         ...
 
+    def list_topic_names(self) -> list[str]:
+        """The names of the topics that exist."""
+        ...
+
     def group_members(self, group_id: str) -> int:
         """Live members of a consumer group (0 when the group has none or does not exist)."""
         ...

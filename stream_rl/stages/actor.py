@@ -22,6 +22,8 @@ Invariants:
   problems; rollout ids are deterministic (`<problem_id>.e<epoch>.s<i>`) and the preprocessor
   drops the duplicates. With `actor.seeded_sampling` the re-generated samples even match.
 - No problem is dropped because servers are down: calls wait for a server to come back.
+- Servers that join the run (`servers` topic, `stream_rl.kafka.membership`) are routed to once they
+  hold the newest version; a draining one gets no new request (`ServerPool.add` / `drain`).
 - SIGTERM drains: no new admissions, in-flight groups finish (bounded by the request timeout),
   outputs are flushed and offsets committed.
 
@@ -45,10 +47,11 @@ from prometheus_client import Counter, Gauge
 
 from stream_rl import heap
 from stream_rl.config import RunConfig
-from stream_rl.contracts import Problem, Rollout
+from stream_rl.contracts import Problem, Rollout, ServerMembership
 from stream_rl.errors import ContractError, KafkaError
 from stream_rl.kafka.dead_letters import DeadLetters
 from stream_rl.kafka.follower import VersionFollower
+from stream_rl.kafka.membership import follow_members, latest_per_url, read_members
 from stream_rl.kafka.offsets import OffsetTracker
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.stage import StageStats, StopFlag
@@ -340,6 +343,23 @@ class Actor:
         if versions:
             self.pool.check_fresh(server, min(versions))
 
+    def _apply_members(self, records: list[ServerMembership]) -> None:
+        """Servers that joined or are leaving the run (module docstring)."""
+        for m in latest_per_url(records).values():
+            if m.routable:
+                if self.pool.find(m.url) is None:
+                    self._engines[m.url] = m.engine
+                    self.pool.add(m.url, self._factory(m.url))
+                    log.info(
+                        "%s: server %s joined the run: routed to once it holds the newest version",
+                        self.actor_id,
+                        m.url,
+                    )
+                else:
+                    self.pool.add(m.url, None)  # back from draining, if it was
+            elif self.pool.drain(m.url):
+                SERVER_LIVE.labels(self.actor_id, m.url).set(0)
+
     def _observe_version(self) -> None:
         latest = self.follower.latest
         if latest is not None:
@@ -357,7 +377,7 @@ class Actor:
         resolved = self.admission.resolved or 0
         IN_FLIGHT.labels(self.actor_id).set(self.admission.admitted_samples() - resolved)
         for s in self.pool.servers:
-            SERVER_LIVE.labels(self.actor_id, s.url).set(0 if s.dead else 1)
+            SERVER_LIVE.labels(self.actor_id, s.url).set(0 if s.dead or s.draining else 1)
         now = time.monotonic()
         if self._buffer and now - self._last_state_log > 10:
             self._last_state_log = now
@@ -378,6 +398,7 @@ class Actor:
                 return
             await self._refresh()
             self.admission.observe(self.follower.latest)
+            self._apply_members(self.members.drain())
             self._observe_version()
             progressed = False
             # Polling also serves rebalances, so it goes on while problems wait for admission; full
@@ -424,7 +445,8 @@ class Actor:
         loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         urls = server_urls(self.config)
-        factory = self.client_factory or inference_client_factory(self.config)
+        self._engines: dict[str, str] = {}
+        self._factory = factory = self.client_factory or inference_client_factory(self.config, self._engines)
         self.pool = ServerPool(
             {url: factory(url) for url in urls},
             cap=self.cfg.concurrency_per_server,
@@ -440,6 +462,8 @@ class Actor:
             client_id=f"{self.actor_id}-versions",
             on_version=lambda _wv: self._wake_from_thread(loop),
         ).start()
+        self._apply_members(list(read_members(self.transport, self.names, self.serde).values()))
+        self.members = follow_members(self.transport, self.names, f"{self.actor_id}-servers")
         self.consumer = self.transport.consumer(self.group, self.actor_id, self.instance_id)
         self.producer = self.transport.producer(self.actor_id)
         try:
@@ -453,6 +477,7 @@ class Actor:
                 task.cancel()
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
             self.follower.stop()
+            self.members.stop()
             await self.pool.aclose()
             try:
                 await asyncio.to_thread(self.consumer.close)

@@ -29,6 +29,13 @@ by a version older than `newest - (max_lag + 1)` marks its server stale and rais
 `StaleServerError`, and the call is retried on another server (no strike: the request is fine,
 and nothing of that response is kept). Staleness is bounded by admission; this only keeps a
 server with the wrong weights from feeding the optimizer samples far beyond that bound.
+
+Servers joining and leaving the run (`stream_rl.kafka.membership`): `add(url, client)` puts a
+joined server in the pool *stale*, so it is routed to only once it reports holding the newest
+published version (the trainer pushes it that version when it reads the same record);
+`drain(url)` routes it no new call, lets the calls in flight on it finish, then forgets it (its
+client closed). A call that fails on a server that went away meanwhile is retried elsewhere, as
+for any failure: nothing is lost.
 """
 
 from __future__ import annotations
@@ -61,11 +68,14 @@ def server_urls(config: RunConfig) -> list[str]:
     return urls
 
 
-def inference_client_factory(config: RunConfig) -> ClientFactory:
-    """The HTTP client of each server's engine (`stream_rl.inference.clients.make_client`)."""
+def inference_client_factory(config: RunConfig, engines: dict[str, str] | None = None) -> ClientFactory:
+    """The HTTP client of each server's engine (`stream_rl.inference.clients.make_client`):
+    `engines` (url -> engine; the configured servers are added to it, and the caller adds those
+    that join the run), else `inference.engine`."""
     from stream_rl.inference.clients import make_client
 
-    engines = {s.url: str(s.engine) for s in config.inference.server_list()}
+    engines = engines if engines is not None else {}
+    engines.update({s.url: str(s.engine) for s in config.inference.server_list()})
 
     def make(url: str) -> Any:
         return make_client(
@@ -100,9 +110,15 @@ class Server:
     """The newest weight version the server is known to hold."""
     stale: bool = False
     """Set aside until it holds the newest published version (module docstring)."""
+    draining: bool = False
+    """Leaving the run: no new call; forgotten once `in_flight` is 0."""
+    gone: bool = False
+    """Forgotten (drained): its probes end."""
 
 
 def _state(server: Server) -> str:
+    if server.draining:
+        return "draining"
     return "down" if server.dead else "stale" if server.stale else "busy"
 
 
@@ -152,8 +168,8 @@ class ServerPool:
 
     # -- state -----------------------------------------------------------------------------------
     def live(self) -> list[Server]:
-        """Servers in routing: neither dead nor stale."""
-        return [s for s in self.servers if not s.dead and not s.stale]
+        """Servers in routing: neither dead, stale nor draining."""
+        return [s for s in self.servers if not s.dead and not s.stale and not s.draining]
 
     def in_flight(self) -> int:
         return sum(s.in_flight for s in self.servers)
@@ -163,7 +179,7 @@ class ServerPool:
             self._changed.notify_all()
 
     def _pick(self) -> Server | None:
-        ready = [s for s in self.servers if not s.dead and not s.stale and s.in_flight < self.cap]
+        ready = [s for s in self.live() if s.in_flight < self.cap]
         if not ready:
             return None
         return min(ready, key=lambda s: (s.in_flight, s.last_used))
@@ -204,9 +220,55 @@ class ServerPool:
         else:
             server.failed += 1
             server.failures += 1
-            if not server.dead and server.failures >= max(self.max_retries, 1):
+            if not server.dead and not server.draining and server.failures >= max(self.max_retries, 1):
                 self._mark_dead(server, error)
+        self._forget_if_drained(server)
         await self._notify()
+
+    # -- servers joining and leaving -----------------------------------------------------------
+    def find(self, url: str) -> Server | None:
+        return next((s for s in self.servers if s.url == url), None)
+
+    def add(self, url: str, client: Any) -> bool:
+        """A server that joined the run (module docstring): routed to once it holds the newest
+        version. False (and `client` unused) if the pool has it already; a draining one is taken
+        back (and checked for the newest version first)."""
+        known = self.find(url)
+        if known is not None:
+            if not known.draining:
+                return False
+            known.draining = False
+            self._mark_stale(known, "it joined the run again")
+            return False
+        server = Server(url, client)
+        self.servers.append(server)
+        self._mark_stale(server, "it joined the run", logging.INFO)
+        return True
+
+    def drain(self, url: str) -> bool:
+        """Route no new call to `url`; it is forgotten once its calls in flight ended. False if
+        the pool does not have it (or drains it already)."""
+        server = self.find(url)
+        if server is None or server.draining:
+            return False
+        server.draining = True
+        log.info(
+            "inference server %s is leaving the run: no new request; %d call(s) in flight finish first",
+            url,
+            server.in_flight,
+        )
+        self._forget_if_drained(server)
+        return True
+
+    def _forget_if_drained(self, server: Server) -> None:
+        if not server.draining or server.in_flight > 0 or server.gone:
+            return
+        server.gone = True
+        self.servers.remove(server)
+        log.info("inference server %s drained: out of the pool (%d calls served)", server.url, server.ok)
+        task = asyncio.create_task(server.client.aclose())
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
 
     def _mark_dead(self, server: Server, error: BaseException) -> None:
         server.dead = True
@@ -224,8 +286,10 @@ class ServerPool:
         task.add_done_callback(self._probes.discard)
 
     async def _probe_until_healthy(self, server: Server) -> None:
-        while True:
+        while not server.gone:
             await asyncio.sleep(server.cooldown_s)
+            if server.gone:
+                return
             try:
                 await asyncio.wait_for(server.client.health(), timeout=self.health_timeout_s)
             except (InferenceError, TimeoutError) as exc:
@@ -261,6 +325,8 @@ class ServerPool:
         if not updated and not servers_failed:
             return
         for server in self.servers:
+            if server.draining:
+                continue
             if server.url in updated:
                 server.version = max(server.version or 0, version)
                 if server.stale and not server.dead:
@@ -287,11 +353,12 @@ class ServerPool:
             f"(max_lag {self.max_lag} + 1): the answer is dropped and the request retried elsewhere"
         )
 
-    def _mark_stale(self, server: Server, why: str) -> None:
+    def _mark_stale(self, server: Server, why: str, level: int = logging.WARNING) -> None:
         if server.stale:
             return
         server.stale = True
-        log.warning(
+        log.log(
+            level,
             "inference server %s set aside: %s; waiting until it holds version %s",
             server.url,
             why,
@@ -302,7 +369,7 @@ class ServerPool:
         task.add_done_callback(self._probes.discard)
 
     async def _probe_until_current(self, server: Server) -> None:
-        while server.stale and not server.dead:
+        while server.stale and not server.dead and not server.gone:
             await asyncio.sleep(self.version_probe_s)
             try:
                 held = await asyncio.wait_for(server.client.version(), timeout=self.health_timeout_s)

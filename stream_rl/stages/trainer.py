@@ -14,6 +14,11 @@ the loss is divided by the sequences actually trained in the step. Then: one Ada
 checkpoint when due, publish the `WeightVersion`, and only after a durable checkpoint commit the
 consumed offsets. Undecodable or unusable micro-batches go to `training-batches.dlq`.
 
+Servers joining and leaving the run (`servers`, `stream_rl.kafka.membership`): a joined server is
+joined to the weight sync and pushed the current version as soon as the record is read (between
+micro-batches), so it holds the newest version before any actor routes to it; a draining or left
+one is dropped and never re-joined (`stream_rl.train.roster`).
+
 While no input comes (at most every `RECONNECT_EVERY_S`): live servers are asked the version they
 hold, one older than the last push (restarted since, no push failed on it) is dropped; dropped
 servers that answer `/health` re-join; and those are pushed the current version at once.
@@ -47,10 +52,18 @@ from typing import TYPE_CHECKING
 
 from stream_rl import heap
 from stream_rl.config import RunConfig
-from stream_rl.contracts import EvalResult, PartitionOffset, TrainingBatch, WeightVersion, WeightVersionKind
-from stream_rl.errors import ConfigError, ContractError, KafkaError
+from stream_rl.contracts import (
+    EvalResult,
+    PartitionOffset,
+    ServerMembership,
+    TrainingBatch,
+    WeightVersion,
+    WeightVersionKind,
+)
+from stream_rl.errors import ConfigError, ContractError, KafkaError, WeightSyncError
 from stream_rl.kafka.dead_letters import DeadLetters
 from stream_rl.kafka.follower import RecordFollower
+from stream_rl.kafka.membership import follow_members, read_members
 from stream_rl.kafka.serde import Serde, default_serde
 from stream_rl.kafka.stage import StopFlag
 from stream_rl.kafka.topics import EVAL_RESULTS, TRAINING_BATCHES, WEIGHT_VERSIONS, TopicNames
@@ -79,6 +92,7 @@ from stream_rl.train.push import (
     rejoin_dropped,
 )
 from stream_rl.train.record import write_run_record
+from stream_rl.train.roster import Roster
 from stream_rl.train.step import TrainerBackend
 from stream_rl.train.step_runner import StepRunner, unusable_reason
 
@@ -137,7 +151,7 @@ class TrainerStage:
         self.dlq_topic = self.names.dlq(TRAINING_BATCHES)
         self.dead_letters = DeadLetters(STAGE, self.dlq_topic)
         self.out_topic = self.names.topic(WEIGHT_VERSIONS)
-        self.pusher = pusher if pusher is not None else make_sender(config)
+        self.roster = Roster(config, pusher if pusher is not None else make_sender(config))
         self.stop = stop if stop is not None else StopFlag()
         self.serde = serde or default_serde()
         self.ckpt_dir = checkpoint_root(config)
@@ -155,6 +169,8 @@ class TrainerStage:
             self._evals = RecordFollower(
                 transport, self.names.topic(EVAL_RESULTS), EvalResult, f"{STAGE}-evals", self.serde
             )
+        self._members: RecordFollower[ServerMembership] | None = None
+        self._last_members = 0.0
         self.trainer: TrainerBackend  # set by _load()
         self.producer: Producer  # set by run()
 
@@ -176,6 +192,10 @@ class TrainerStage:
         self._checkpointed_step = self.state.step
         log.info("resuming from %s (version %d)", ckpt, self.state.version)
 
+    @property
+    def pusher(self) -> WeightPusher | None:
+        return self.roster.pusher
+
     # -- weights out -------------------------------------------------------------------------
 
     def _sync(self, version: int) -> tuple[str, PushOutcome | None]:
@@ -184,7 +204,7 @@ class TrainerStage:
 
         if self.pusher is not None and time.monotonic() - self._last_connect >= RECONNECT_EVERY_S:
             self._last_connect = time.monotonic()
-            rejoin_dropped(self.pusher, self.config.inference.server_urls())
+            rejoin_dropped(self.pusher, self.roster.urls())
         with self.trainer.full_weights() as named:
             checksum = weights_checksum(named)
             report = None if self.pusher is None else self._push(self.pusher, version, named)
@@ -215,11 +235,11 @@ class TrainerStage:
             return
         self._last_connect = time.monotonic()
         if self._pushed is not None:
-            restarted = drop_restarted(self.pusher, self.config.inference.server_list(), self._pushed)
+            restarted = drop_restarted(self.pusher, self.roster.configs(), self._pushed)
             self.stats.restarted_servers += len(restarted)
             self._restarted_since_step += len(restarted)
             tm.SERVERS_RESTARTED.inc(len(restarted))
-        if not rejoin_dropped(self.pusher, self.config.inference.server_urls()):
+        if not rejoin_dropped(self.pusher, self.roster.urls()):
             return
         version = self.state.version
         with self.trainer.full_weights() as named:
@@ -227,6 +247,47 @@ class TrainerStage:
         if report.per_server:
             log.info(
                 "version %d pushed to re-joined server(s) %s", version, ", ".join(sorted(report.per_server))
+            )
+
+    def _check_members(self) -> None:
+        """Apply the `servers` records read since the last call (at most every 0.5 s); a server
+        that joined is joined to the weight sync and pushed the current version now."""
+        if self._members is None or time.monotonic() - self._last_members < 0.5:
+            return
+        self._last_members = time.monotonic()
+        joined = self.roster.apply(self._members.drain())
+        if joined:
+            self._welcome(joined)
+
+    def _welcome(self, urls: Sequence[str]) -> None:
+        pusher = self.pusher
+        assert pusher is not None  # the roster made one for the joined servers
+        started = time.monotonic()
+        try:
+            failures = dict(pusher.connect())
+        except WeightSyncError as exc:
+            failures = {url: str(exc) for url in urls}
+        for url in urls:
+            if url in failures:
+                log.warning(
+                    "server %s joined the run but not the weight sync: %s (retried while it answers "
+                    "/health; it is routed to only once it holds the newest version)",
+                    url,
+                    failures[url],
+                )
+        if not any(url in set(pusher.live_servers) for url in urls):
+            return
+        version = self.state.version
+        with self.trainer.full_weights() as named:
+            report = self._push(pusher, version, named)
+        welcomed = sorted(url for url in urls if url in set(report.updated))
+        if welcomed:
+            tm.SERVERS_JOINED.inc(len(welcomed))
+            log.info(
+                "version %d pushed to joining server(s) %s, %.0f ms after their record was read",
+                version,
+                ", ".join(welcomed),
+                (time.monotonic() - started) * 1000,
             )
 
     def _publish(
@@ -406,6 +467,8 @@ class TrainerStage:
             self.history = {v: wv for v, wv in lineage.items() if v >= self.state.version}
             self.producer = producer = self.transport.producer(f"{STAGE}-{self.config.run}")
             consumer = self.transport.consumer(self.names.group(STAGE), STAGE)
+            self.roster.apply(read_members(self.transport, self.names, self.serde).values())
+            self._members = follow_members(self.transport, self.names, f"{STAGE}-servers")
             if self.pusher is not None:
                 connect_servers(self.pusher, self.tcfg.connect_timeout_s, self.stop)
                 self._last_connect = time.monotonic()
@@ -433,6 +496,8 @@ class TrainerStage:
                         closer.close()  # DeepSpeed: releases the other ranks
                 if self._evals is not None:
                     self._evals.stop()
+                if self._members is not None:
+                    self._members.stop()
         self.stats.version = self.state.version
         self.stats.checksum = self.state.checksum
         return self.stats
@@ -449,6 +514,7 @@ class TrainerStage:
             if self.state.version >= target:
                 self.stats.stopped_by = "max_steps"
                 return
+            self._check_members()
             if not buffer:
                 msgs = consumer.poll_batch(64, 0.2)
                 if not msgs:

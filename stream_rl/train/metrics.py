@@ -26,6 +26,10 @@ SERVERS_RESTARTED = Counter(
     "stream_rl_trainer_servers_restarted",
     "Live servers found holding an older version than pushed them (restarted): dropped, re-joined, re-pushed",
 )
+SERVERS_JOINED = Counter(
+    "stream_rl_trainer_servers_joined",
+    "Servers that joined the run (topic servers) and were pushed the current version",
+)
 CHECKSUM_MISMATCH = Counter(
     "stream_rl_trainer_checksum_mismatch", "Re-trained versions whose checksum differs from the lineage"
 )

@@ -49,6 +49,14 @@ class WeightPusher(Protocol):
         peer may be gone). A later `connect()` joins it afresh; the next push sends it the version."""
         ...
 
+    def add(self, server: Any) -> None:
+        """One more server (a `ServerEndpoint` that joined the run), joined by the next `connect()`."""
+        ...
+
+    def forget(self, url: str) -> bool:
+        """Drop `url` and never join it again (it left the run); True if it was one of ours."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -61,22 +69,51 @@ def pause_policy(config: RunConfig) -> str:
     return "recompute" if config.inference.kv_policy == "recompute" else "keep"
 
 
-def make_sender(config: RunConfig) -> WeightPusher | None:
-    """The weight sender for the configured servers (None when there are none): one per engine
-    among them (the built-in `WeightSender`, `VLLMWeightSender`, `SGLangWeightSender`), behind
-    one `WeightPusher`."""
-    servers = config.inference.server_list()
+def make_sender(config: RunConfig, servers: Sequence[ServerConfig] | None = None) -> WeightPusher | None:
+    """The weight sender for `servers` (default: the configured ones; None when there are none):
+    one per engine among them (the built-in `WeightSender`, `VLLMWeightSender`,
+    `SGLangWeightSender`), behind one `WeightPusher`."""
+    servers = config.inference.server_list() if servers is None else list(servers)
     if not servers:
         return None
-    token = config.inference.admin_token
-    secret = token.get_secret_value() if token is not None else None
-    senders: list[WeightPusher] = []
-    for engine in dict.fromkeys(s.engine for s in servers):
-        from stream_rl.weights import ServerEndpoint
+    senders: dict[str, WeightPusher] = {}
+    for engine in dict.fromkeys(str(s.engine) for s in servers):
+        endpoints = [_endpoint(config, s) for s in servers if str(s.engine) == engine]
+        senders[engine] = _engine_sender(config, engine, endpoints)
+    return next(iter(senders.values())) if len(senders) == 1 else MultiSender(senders)
 
-        endpoints = [ServerEndpoint(s.url, secret) for s in servers if s.engine == engine]
-        senders.append(_engine_sender(config, str(engine), endpoints))
-    return senders[0] if len(senders) == 1 else MultiSender(senders)
+
+def _endpoint(config: RunConfig, server: ServerConfig) -> Any:
+    from stream_rl.weights import ServerEndpoint
+
+    token = config.inference.admin_token
+    return ServerEndpoint(server.url, token.get_secret_value() if token is not None else None)
+
+
+def engine_of(pusher: WeightPusher) -> str:
+    """The engine a single-engine sender reaches (the built-in senders carry no tag)."""
+    engine = getattr(pusher, "engine", "builtin")
+    return engine if isinstance(engine, str) else "builtin"
+
+
+def add_server(config: RunConfig, pusher: WeightPusher | None, server: ServerConfig) -> WeightPusher:
+    """`pusher` with `server` added (a server that joined the run; the next `connect()` joins it):
+    the sender of its engine takes it, or a new one is made (a run of one engine's senders becomes
+    a `MultiSender` when a server of another engine joins)."""
+    engine = str(server.engine)
+    if pusher is None:
+        made = make_sender(config, [server])
+        assert made is not None
+        return made
+    if isinstance(pusher, MultiSender):
+        pusher.add_server(config, server)
+        return pusher
+    if engine_of(pusher) == engine:
+        pusher.add(_endpoint(config, server))
+        return pusher
+    multi = MultiSender({engine_of(pusher): pusher})
+    multi.add_server(config, server)
+    return multi
 
 
 def _engine_sender(config: RunConfig, engine: str, endpoints: list[Any]) -> WeightPusher:
@@ -115,10 +152,27 @@ def _engine_sender(config: RunConfig, engine: str, endpoints: list[Any]) -> Weig
 
 
 class MultiSender:
-    """Several engines' senders as one `WeightPusher` (a run whose servers mix engines)."""
+    """Several engines' senders as one `WeightPusher` (a run whose servers mix engines), by engine."""
 
-    def __init__(self, senders: Sequence[WeightPusher]) -> None:
-        self.senders = list(senders)
+    def __init__(self, senders: Mapping[str, WeightPusher]) -> None:
+        self.by_engine = dict(senders)
+
+    @property
+    def senders(self) -> list[WeightPusher]:
+        return list(self.by_engine.values())
+
+    def add_server(self, config: RunConfig, server: ServerConfig) -> None:
+        engine = str(server.engine)
+        if engine in self.by_engine:
+            self.by_engine[engine].add(_endpoint(config, server))
+        else:
+            self.by_engine[engine] = _engine_sender(config, engine, [_endpoint(config, server)])
+
+    def add(self, server: Any) -> None:
+        raise WeightSyncError("MultiSender.add: use add_server, which names the server's engine")
+
+    def forget(self, url: str) -> bool:
+        return any([sender.forget(url) for sender in self.senders])
 
     @property
     def live_servers(self) -> list[str]:

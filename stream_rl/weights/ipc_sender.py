@@ -169,6 +169,10 @@ class IpcWeightSender:
         link.live, link.metas, link.version = False, None, None
         return True
 
+    def forget(self, url: str) -> bool:
+        """Never share with `url` again (it left the run); True if it was one of ours."""
+        return self._links.pop(url, None) is not None
+
     def _release_expired(self) -> None:
         now = time.monotonic()
         self._retained = [(t, b) for t, b in self._retained if t > now]

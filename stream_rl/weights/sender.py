@@ -9,6 +9,9 @@ Usage (rank 0 of the trainer; the default process group, if any, is never touche
     sender.push(version, ...)                # and a push of the current version reaches only them
     sender.close()
 
+`add(endpoint)` and `forget(url)` change the servers during a run (servers joining and leaving it:
+`stream_rl.kafka.membership`); the next `connect()` joins an added one.
+
 Topology: **one group per server** (world size 2: the trainer is rank 0, the server rank 1),
 each on its own TCP store and port, rather than one group shared by all servers.
 - Why: a dead or hung server breaks only its own group. A shared group stalls every member's
@@ -148,6 +151,21 @@ class WeightSender:
         return [url for url, link in self._links.items() if link.group is not None]
 
     # -- joining -----------------------------------------------------------------------------
+
+    def add(self, server: ServerEndpoint) -> None:
+        """One more server (one that joined the run), joined by the next `connect()`."""
+        if server.url in self._links:
+            raise WeightSyncError(f"duplicate server URL {server.url}")
+        self._links[server.url] = _Link(ServerClient(server, self._http))
+
+    def forget(self, url: str) -> bool:
+        """Take `url` out of its group (between pushes) and never join it again: it left the run.
+        True if it was one of ours."""
+        link = self._links.pop(url, None)
+        if link is None:
+            return False
+        self._drop(link)
+        return True
 
     def connect(self) -> dict[str, str]:
         """Make every server that is not live join its group; returns failures (url -> reason).

@@ -79,6 +79,18 @@ class AutoSender:
     def live_servers(self) -> list[str]:
         return [url for sender in self._senders for url in sender.live_servers]
 
+    def add(self, server: ServerEndpoint) -> None:
+        """One more server; where it runs (and so its transport) is asked at the next `connect()`."""
+        self._unresolved.append(server)
+
+    def forget(self, url: str) -> bool:
+        """Never push to `url` again (it left the run); True if it was one of ours."""
+        self.transport.pop(url, None)
+        unresolved = [s for s in self._unresolved if s.url == url]
+        for server in unresolved:
+            self._unresolved.remove(server)
+        return bool(unresolved) or any([sender.forget(url) for sender in self._senders])
+
     def _resolve(self) -> dict[str, str]:
         failures: dict[str, str] = {}
         by_backend: dict[str, list[ServerEndpoint]] = {"nccl": [], "gloo": []}

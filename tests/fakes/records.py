@@ -8,12 +8,14 @@ import struct
 from stream_rl.contracts import (
     ChatMessage,
     EvalResult,
+    MembershipState,
     PartialGroup,
     PartitionOffset,
     PendingSample,
     Problem,
     Rollout,
     ScoredRollout,
+    ServerMembership,
     TrainingBatch,
     TrainingSample,
     Verdict,
@@ -200,6 +202,12 @@ def make_eval_result(version: int = 4) -> EvalResult:
     )
 
 
+def make_membership(url: str = "http://10.0.0.7:8001", state: str = "joined") -> ServerMembership:
+    return ServerMembership(
+        run_id="r1", url=url, engine="builtin", state=MembershipState(state), announced_by="test"
+    )
+
+
 def examples() -> list[object]:
     """One of each contract."""
     return [
@@ -210,4 +218,5 @@ def examples() -> list[object]:
         make_weight_version(2),
         make_partial_group(3),
         make_eval_result(),
+        make_membership(),
     ]

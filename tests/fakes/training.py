@@ -192,5 +192,20 @@ class FakePusher:
             failed["http://b:2"] = "timed out"
         return FakeReport(version, 1.5, list(self.live), failed)
 
+    def add(self, server: Any) -> None:
+        """A server that joined the run (`stream_rl.train.push.add_server`); live after `connect()`."""
+        self.urls.append(server.url)
+
+    def forget(self, url: str) -> bool:
+        known = url in self.urls
+        self.urls = [u for u in self.urls if u != url]
+        self.live = [u for u in self.live if u != url]
+        return known
+
+    def drop(self, url: str) -> bool:
+        live = url in self.live
+        self.live = [u for u in self.live if u != url]
+        return live
+
     def close(self) -> None:
         self.closed = True

@@ -219,3 +219,52 @@ def test_non_server_errors_are_strikes_and_give_up_after_max_retries() -> None:
 def test_backoff_doubles_up_to_the_cap() -> None:
     pool = pool_of([FakeServer("a")], backoff_s=0.1, backoff_max_s=0.5)
     assert [pool.backoff(i) for i in (1, 2, 3, 4)] == [0.1, 0.2, 0.4, 0.5]
+
+
+def test_a_joining_server_is_routed_to_only_once_it_holds_the_newest_version() -> None:
+    async def main() -> None:
+        a, new = FakeServer("a", version=5), FakeServer("new", version=0)
+        pool = pool_of([a], version_probe_s=0.01)
+        pool.observe(5, ["a"])
+        assert pool.add("new", new.client()) and not pool.add("new", new.client())
+        assert [s.url for s in pool.live()] == ["a"]  # it serves version 0: set aside
+        assert {await ask(pool, f"r{i}") for i in range(4)} == {"a"} and new.calls == 0
+        new.version = 5  # the trainer pushed it the current version
+        for _ in range(300):
+            if len(pool.live()) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert [s.url for s in pool.live()] == ["a", "new"]
+        gate = asyncio.Event()
+        a.gate = new.gate = gate
+        calls = [asyncio.create_task(ask(pool)) for _ in range(4)]
+        while pool.in_flight() < 4:
+            await asyncio.sleep(0)
+        gate.set()
+        assert sorted(await asyncio.gather(*calls)) == ["a", "a", "new", "new"]
+        await pool.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_draining_server_finishes_its_calls_gets_no_new_one_and_is_forgotten() -> None:
+    async def main() -> None:
+        a, b = FakeServer("a"), FakeServer("b")
+        gate, gate_a = asyncio.Event(), asyncio.Event()
+        a.gate, b.gate = gate_a, gate
+        pool = pool_of([a, b], cap=1)
+        first = [asyncio.create_task(ask(pool, f"r{i}")) for i in range(2)]
+        while a.in_flight < 1 or b.in_flight < 1:
+            await asyncio.sleep(0)
+        assert pool.drain("b") and not pool.drain("b")
+        gate_a.set()
+        assert pool.find("b") is not None  # its call is in flight: kept until it ends
+        later = [await ask(pool, f"s{i}") for i in range(3)]
+        assert later == ["a", "a", "a"] and b.calls == 1
+        gate.set()
+        assert sorted(await asyncio.gather(*first)) == ["a", "b"]  # the call in flight finished
+        assert pool.find("b") is None and [s.url for s in pool.servers] == ["a"]
+        assert not pool.drain("unknown")
+        await pool.aclose()
+
+    asyncio.run(main())

@@ -228,3 +228,49 @@ def test_a_server_back_while_no_step_completes_gets_the_current_version_at_once(
     assert rejoined == ["http://b:2"]  # once: after that it is live
     assert [v for v, _ in pusher.pushed] == [0, 0]  # the first push, then the re-joined server's
     assert pusher.pushed[0][1] == pusher.pushed[1][1]
+
+
+def test_a_server_joining_the_run_is_pushed_the_current_version_and_a_leaving_one_is_forgotten(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    import threading
+    import time
+
+    from fakes.records import make_membership
+
+    from stream_rl.kafka.membership import announce
+
+    transport = MemoryTransport()
+    names = setup_topics(transport, "r1", [])
+    pusher = FakePusher()
+    stop = StopFlag()
+    stats: list[Any] = []
+    cfg = make_config(tmp_path, model_dir, max_steps=3)
+    cfg = cfg.model_validate(
+        {**cfg.model_dump(), "inference": {"servers": [{"url": u} for u in pusher.urls]}}
+    )
+    thread = threading.Thread(
+        target=lambda: stats.append(trainer_stage.run(cfg, transport, pusher=pusher, stop=stop))
+    )
+    thread.start()
+
+    def wait(predicate: Any) -> None:
+        deadline = time.monotonic() + 30
+        while not predicate():
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.02)
+
+    try:
+        wait(lambda: len(pusher.pushed) == 1)  # version 0 to the configured servers
+        assert pusher.live == ["http://a:1", "http://b:2"]
+        announce(transport, names, make_membership("http://c:3"))
+        wait(lambda: len(pusher.pushed) == 2)  # joined and pushed version 0 at once
+        assert pusher.live == ["http://a:1", "http://b:2", "http://c:3"]
+        assert pusher.pushed[1] == pusher.pushed[0]
+        announce(transport, names, make_membership("http://a:1", "draining"))
+        wait(lambda: "http://a:1" not in pusher.urls)
+        assert pusher.live == ["http://b:2", "http://c:3"]
+    finally:
+        stop.set("test")
+        thread.join(30)
+    assert stats and stats[0].version == 0

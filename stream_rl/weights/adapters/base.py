@@ -102,6 +102,20 @@ class EngineSender(ABC):
         port, self._next_port = self._next_port, self._next_port + 1
         return port
 
+    def add(self, server: ServerEndpoint) -> None:
+        """One more server (one that joined the run), joined by the next `connect()`."""
+        if server.url in self._servers:
+            raise WeightSyncError(f"duplicate server URL {server.url}")
+        self._servers[server.url] = _Server(server)
+
+    def forget(self, url: str) -> bool:
+        """Release `url`'s group (between pushes) and never join it again: it left the run."""
+        server = self._servers.pop(url, None)
+        if server is None:
+            return False
+        self._drop(server)
+        return True
+
     def connect(self) -> dict[str, str]:
         """Every server not in a group joins one; returns failures. Raises if none is live."""
         targets = [s for s in self._servers.values() if s.handle is None]
