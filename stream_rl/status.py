@@ -14,16 +14,17 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from stream_rl.cli import add_common
 from stream_rl.config import KafkaConfig, load_config
-from stream_rl.contracts import Contract, EvalResult, WeightVersion
+from stream_rl.contracts import Contract, EvalResult, MembershipState, ServerMembership, WeightVersion
 from stream_rl.errors import ContractError, KafkaError, StreamRLError
 from stream_rl.kafka.broker import pid_alive, resolve_bootstrap
 from stream_rl.kafka.lag import run_lags
+from stream_rl.kafka.membership import read_members
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.topics import EVAL_RESULTS, WEIGHT_VERSIONS, TopicNames
 from stream_rl.kafka.transport import Transport
@@ -131,12 +132,29 @@ class StatusView:
         return f"{(metrics.get(name, 0.0) - prev[1].get(name, 0.0)) / (now - prev[0]):.1f}"
 
     @staticmethod
-    def server_rows(servers: Sequence[str], wv: WeightVersion | None) -> list[tuple[str, ...]]:
+    def membership(configured: Sequence[str], members: Mapping[str, ServerMembership]) -> dict[str, str]:
+        """url -> `config` (a configured member), or its state from the `servers` topic (`joined`,
+        `draining`, `left`); servers that joined and left are not shown."""
+        out = dict.fromkeys(configured, "config")
+        for url, m in members.items():
+            if url in out:
+                out[url] = "config" if m.routable else m.state.value
+            elif m.state != MembershipState.LEFT:
+                out[url] = m.state.value
+        return out
+
+    @staticmethod
+    def server_rows(
+        servers: Sequence[str], wv: WeightVersion | None, membership: Mapping[str, str] | None = None
+    ) -> list[tuple[str, ...]]:
         """Per server: health, the version it serves, how many versions it is behind the trainer's
-        last, what the last version's push did to it (`ok`, `failed`, `-`: not pushed to), load."""
+        last, what the last version's push did to it (`ok`, `failed`, `-`: not pushed to), load;
+        with `membership` (`membership()`), a column saying how it is a member of the run."""
         rows: list[tuple[str, ...]] = [
             ("server", "health", "version", "behind", "last push", "running", "waiting", "tokens/s")
         ]
+        if membership is not None:
+            rows[0] = (rows[0][0], "member", *rows[0][1:])
         for url in servers:
             sm = scrape(f"{url}/metrics")
             held = None if sm is None else sm.get("stream_rl_inference_weight_version")
@@ -161,6 +179,8 @@ class StatusView:
                     f"{sm.get('stream_rl_inference_tokens_per_second', 0):.0f}" if sm else "-",
                 )
             )
+            if membership is not None:
+                rows[-1] = (url, membership.get(url, "-"), *rows[-1][1:])
         return rows
 
     def render(self) -> str:
@@ -194,9 +214,11 @@ class StatusView:
                     )
                 )
             parts.append(table(rows))
-        servers = procs.get("servers") or self.servers
-        if servers:
-            parts.append(table(self.server_rows(servers, wv)))
+        membership = self.membership(
+            procs.get("servers") or self.servers, read_members(self.transport, self.names)
+        )
+        if membership:
+            parts.append(table(self.server_rows(list(membership), wv, membership)))
         agg: dict[tuple[str, str], list[float]] = {}
         for x in run_lags(self.transport, self.names, with_age=True):
             entry = agg.setdefault((x.group.rsplit(".", 1)[-1], x.topic.rsplit(".", 1)[-1]), [0, 0])

@@ -71,3 +71,21 @@ def test_a_taken_server_port_is_a_clear_error(tmp_path: Path) -> None:
         launcher.plan()
         with pytest.raises(StreamRLError, match=f"port {port} for server-0 is taken"):
             launcher.check_server_ports()
+
+
+def test_servers_commands_refuse_what_they_would_ignore_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    cases = {
+        ("join",): "error: servers join needs --url (the server's base URL)",
+        (
+            "leave",
+            "--url",
+            "10.0.0.7:8001",
+        ): "error: --url: expected a base URL like http://host:port, got '10.0.0.7:8001'",
+        ("list", "--url", "http://a:1"): "error: servers list takes no --url or --engine",
+        ("leave", "--url", "http://a:1", "--no-wait"): "error: --no-wait is for join",
+    }
+    for args, line in cases.items():
+        rc = main(["servers", *args, "--bootstrap", "127.0.0.1:1"])
+        assert rc == 2 and capsys.readouterr().err.strip() == line, args

@@ -61,3 +61,21 @@ def test_server_rows_say_how_far_behind_each_server_is(servers: list[str]) -> No
     assert rows[3] == (gone, "DOWN", "-", "-", "-", "-", "-", "-")
     before_any = StatusView.server_rows([current], None)
     assert before_any[1][2:5] == ("7", "-", "-")
+
+
+def test_the_server_table_names_how_each_server_is_a_member(servers: list[str]) -> None:
+    from fakes.records import make_membership
+
+    current, lagging = servers
+    members = {
+        m.url: m
+        for m in (
+            make_membership(lagging, "draining"),
+            make_membership("http://10.0.0.9:1", "joined"),
+            make_membership("http://10.0.0.8:1", "left"),
+        )
+    }
+    membership = StatusView.membership([current, lagging], members)
+    assert membership == {current: "config", lagging: "draining", "http://10.0.0.9:1": "joined"}
+    rows = StatusView.server_rows([current], None, membership)
+    assert rows[0][:3] == ("server", "member", "health") and rows[1][:3] == (current, "config", "ok")
