@@ -38,6 +38,12 @@ class Child:
             return "(no log)"
 
 
+def child_index(child: Child) -> int:
+    """The instance index in a child's name (`actor-2` -> 2; 0 for a single `trainer`)."""
+    head, _, tail = child.name.rpartition("-")
+    return int(tail) if head and tail.isdigit() else 0
+
+
 def run_admin_token(config: RunConfig) -> str | None:
     """The token guarding the launched servers' `/weights/*`: the configured one, else a fresh one
     per run (when the launcher starts the servers). It travels in the children's environment only,

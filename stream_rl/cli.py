@@ -30,6 +30,11 @@ COMMANDS: list[tuple[str, str, str]] = [
         "stream_rl.membership",
         "inference servers joining or leaving a running run: join, leave, list",
     ),
+    (
+        "scale",
+        "stream_rl.scaling",
+        "change a launcher-managed run's actors, verifiers, preprocessors, servers",
+    ),
     ("run", "stream_rl.launch", "launch a whole run from a config: broker, topics, servers, stages"),
     ("report", "stream_rl.report", "re-derive a finished run's summary.json and plots"),
     ("runs", "stream_rl.runs", "list the runs in runs/: state, versions, reward, eval, where"),

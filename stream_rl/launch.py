@@ -33,6 +33,7 @@ from stream_rl.identity import Identity, RunState, decide
 from stream_rl.inference.servers import check_engine, launch_for
 from stream_rl.kafka.broker import LocalBroker, free_port
 from stream_rl.kafka.stage import StopFlag
+from stream_rl.scaling import Scaling
 from stream_rl.supervision import STOP_GRACE_S, Supervision
 from stream_rl.watchdog import Watchdog
 
@@ -49,7 +50,7 @@ __all__ = [
 ]
 
 
-class Launcher(Supervision):
+class Launcher(Supervision, Scaling):
     def __init__(self, config: RunConfig, stop: StopFlag) -> None:
         self.config = config
         self.stop = stop
@@ -63,6 +64,8 @@ class Launcher(Supervision):
         self.stalled: str | None = None
         self.admin_token = run_admin_token(config)
         self._launcher_port: int | None = None
+        self._kafka = None
+        self._scaled_servers: set[str] = set()
 
     # -- preparation -----------------------------------------------------------------------
     def check_config(self) -> None:
@@ -154,9 +157,7 @@ class Launcher(Supervision):
         inf = cfg.inference
         if not inf.servers:
             for i in range(inf.num_servers):
-                launch = launch_for(cfg, i)
-                self._add(f"server-{i}", "server", launch.cmd, metrics=False, env=launch.env)
-                self.server_startup_s = launch.startup_timeout_s
+                self.add_server(i)
         stage_counts = [
             ("trainer", 1),
             ("loader", 1),
@@ -168,15 +169,7 @@ class Launcher(Supervision):
         for role, count in stage_counts:
             for i in range(count):
                 name = f"{role}-{i}" if count > 1 or role in ("actor", "verifier", "preprocessor") else role
-                child_dir = self.run_dir / name
-                child_dir.mkdir(parents=True, exist_ok=True)
-                config_path = child_dir / "config.yaml"
-                config_path.write_text(dump_config(cfg))
-                cmd = [*py, role, "--config", str(config_path), "--bootstrap", self.bootstrap]
-                if role not in ("loader",):
-                    cmd += ["--instance", str(i)]
-                # The loader is idempotent (it writes only the missing records): restartable too.
-                self._add(name, role, cmd, metrics=role != "loader")
+                self.add_stage(role, i, name)
 
         if cfg.track.to:
             cmd = [
@@ -192,6 +185,35 @@ class Launcher(Supervision):
             ]
             self._add("tracker", "track", cmd, metrics=False, restartable=False)
 
+    def add_stage(self, role: str, index: int, name: str | None = None) -> Child:
+        """The child running stage `role` as instance `index` (its config and command written into
+        `runs/<run>/<name>/`); not started."""
+        name = name or f"{role}-{index}"
+        child_dir = self.run_dir / name
+        child_dir.mkdir(parents=True, exist_ok=True)
+        config_path = child_dir / "config.yaml"
+        config_path.write_text(dump_config(self.config))
+        cmd = [
+            sys.executable,
+            "-m",
+            "stream_rl.cli",
+            role,
+            "--config",
+            str(config_path),
+            "--bootstrap",
+            self.bootstrap,
+        ]
+        if role not in ("loader",):
+            cmd += ["--instance", str(index)]
+        # The loader is idempotent (it writes only the missing records): restartable too.
+        return self._add(name, role, cmd, metrics=role != "loader")
+
+    def add_server(self, index: int) -> Child:
+        """The child running launched server `index` (port `base_port + index`); not started."""
+        launch = launch_for(self.config, index)
+        self.server_startup_s = launch.startup_timeout_s
+        return self._add(f"server-{index}", "server", launch.cmd, metrics=False, env=launch.env)
+
     def _add(
         self,
         name: str,
@@ -200,7 +222,7 @@ class Launcher(Supervision):
         metrics: bool = True,
         restartable: bool = True,
         env: dict[str, str] | None = None,
-    ) -> None:
+    ) -> Child:
         child_dir = self.run_dir / name
         child_dir.mkdir(parents=True, exist_ok=True)
         port = free_port() if metrics else None
@@ -209,7 +231,9 @@ class Launcher(Supervision):
         env = env or {}
         prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
         (child_dir / "cmd.txt").write_text((prefix + " " if prefix else "") + shlex.join(cmd) + "\n")
-        self.children.append(Child(name, role, cmd, child_dir, port, restartable, env))
+        child = Child(name, role, cmd, child_dir, port, restartable, env)
+        self.children.append(child)
+        return child
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -250,6 +274,8 @@ class Launcher(Supervision):
                 if child.role == "server":
                     self.spawn(child)
             self.wait_for_servers()
+            for url in self.rejoin_launched():
+                print(f"{url} was left by an earlier invocation's `scale`: joined again", file=sys.stderr)
             for child in self.children:
                 if child.role != "server":
                     self.spawn(child)
@@ -264,6 +290,7 @@ class Launcher(Supervision):
                     if self.exit_reason == "trainer finished":
                         self.read_final(monitor)
                     break
+                self.check_scale()  # before the tick: a scale can take a while (a server joining)
                 monitor.tick()
                 if watchdog is not None and monitor.sample is not None:
                     watchdog.observe(time.monotonic(), monitor.sample)
@@ -281,6 +308,7 @@ class Launcher(Supervision):
             else:
                 self.exit_reason = self.stop.reason or "stopped"
         finally:
+            self.leave_scaled_servers()
             self.stop_all()
             if self._launcher_port is not None:
                 self.write_ports(self._launcher_port)  # no pids left: the run is over

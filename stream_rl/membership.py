@@ -18,14 +18,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import socket
-import sys
 import time
+from collections.abc import Callable
 
 from stream_rl.cli import add_common
 from stream_rl.config import RunConfig, load_config
 from stream_rl.config.inference import normalize_url
 from stream_rl.contracts import MembershipState, ServerMembership
-from stream_rl.errors import ConfigError, InferenceError, StreamRLError
+from stream_rl.errors import ConfigError, InferenceError
 from stream_rl.kafka.membership import announce, read_members
 from stream_rl.kafka.topics import SERVERS, TopicNames
 from stream_rl.kafka.transport import Transport
@@ -137,25 +137,37 @@ def load(engine: str, url: str) -> float | None:
     return sum(metrics.get(n, 0.0) for n in names)
 
 
-def join(config: RunConfig, url: str, engine: str, timeout_s: float, wait: bool) -> int:
-    transport, names = _transport(config)
+def join_server(
+    transport: Transport,
+    names: TopicNames,
+    url: str,
+    engine: str,
+    timeout_s: float,
+    wait: bool = True,
+    say: Callable[[str], None] = print,
+    who: str | None = None,
+) -> float | None:
+    """The join of docs/servers-protocol.md: wait for its health route, write `joined`, then
+    (with `wait`) until it holds the newest published version. Returns the seconds from the record
+    to that (None without `wait`); raises `InferenceError` on a timeout."""
     started = time.monotonic()
     asyncio.run(_healthy(engine, url, timeout_s))
-    announce(transport, names, ServerMembership(config.run, url, engine, MembershipState.JOINED, _who()))
+    member = ServerMembership(names.run, url, engine, MembershipState.JOINED, who or _who())
+    announce(transport, names, member)
     written = time.monotonic()
-    print(f"{url}: healthy; 'joined' written to {names[SERVERS]} ({written - started:.1f} s)")
+    say(f"{url}: healthy; 'joined' written to {names[SERVERS]} ({written - started:.1f} s)")
     if not wait:
-        return 0
+        return None
     deadline = written + timeout_s
     while True:
         newest = _newest(transport, names)
         held = asyncio.run(_held(engine, url))
         if newest is not None and held is not None and held >= newest:
-            print(
-                f"{url}: holds version {held}, the newest, {time.monotonic() - written:.1f} s after "
-                "joining: the actors route to it from now on"
+            took = time.monotonic() - written
+            say(
+                f"{url}: holds version {held}, the newest, {took:.1f} s after joining: the actors route to it from now on"
             )
-            return 0
+            return took
         if time.monotonic() > deadline:
             raise InferenceError(
                 f"{url} holds version {held}, not the newest ({newest}), {timeout_s:.0f} s after joining: "
@@ -164,29 +176,39 @@ def join(config: RunConfig, url: str, engine: str, timeout_s: float, wait: bool)
         time.sleep(0.5)
 
 
-def leave(config: RunConfig, url: str, engine: str, timeout_s: float) -> int:
-    transport, names = _transport(config)
-    announce(transport, names, ServerMembership(config.run, url, engine, MembershipState.DRAINING, _who()))
+def leave_server(
+    transport: Transport,
+    names: TopicNames,
+    url: str,
+    engine: str,
+    timeout_s: float,
+    say: Callable[[str], None] = print,
+    who: str | None = None,
+) -> float:
+    """The leave of docs/servers-protocol.md: write `draining`, wait until nothing runs or waits
+    on it (at most `timeout_s`), write `left`. Returns the seconds it took."""
+    who = who or _who()
+    announce(transport, names, ServerMembership(names.run, url, engine, MembershipState.DRAINING, who))
     started = time.monotonic()
-    print(f"{url}: 'draining' written: no new request is routed to it")
-    idle, current = 0, None
+    say(f"{url}: 'draining' written: no new request is routed to it")
+    idle = 0
     while idle < 2:  # two readings in a row: a request routed just before the record was read shows
         current = load(engine, url)
         if current is None:
-            print(f"{url}: its /metrics cannot be read (stopped?): taken as drained", file=sys.stderr)
+            say(f"{url}: its /metrics cannot be read (stopped?): taken as drained")
             break
         idle = idle + 1 if current == 0 else 0
         if time.monotonic() - started > timeout_s:
-            print(
+            say(
                 f"{url}: still {current:.0f} request(s) after {timeout_s:.0f} s; leaving anyway (the actors "
-                "retry them elsewhere when it stops)",
-                file=sys.stderr,
+                "retry them elsewhere when it stops)"
             )
             break
         time.sleep(0.5)
-    announce(transport, names, ServerMembership(config.run, url, engine, MembershipState.LEFT, _who()))
-    print(f"{url}: drained in {time.monotonic() - started:.1f} s; 'left' written: the server can be stopped")
-    return 0
+    announce(transport, names, ServerMembership(names.run, url, engine, MembershipState.LEFT, who))
+    took = time.monotonic() - started
+    say(f"{url}: drained in {took:.1f} s; 'left' written: the server can be stopped")
+    return took
 
 
 def listing(config: RunConfig) -> int:
@@ -218,11 +240,11 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--url: {exc}") from None
     configured = {s.url: str(s.engine) for s in config.inference.server_list()}
     engine = args.engine or configured.get(url) or config.inference.engine
-    try:
-        if args.action == "join":
-            return join(config, url, engine, args.timeout_s, wait=not args.no_wait)
-        if args.no_wait:
-            raise ConfigError("--no-wait is for join")
-        return leave(config, url, engine, args.timeout_s)
-    except StreamRLError:
-        raise
+    if args.action == "leave" and args.no_wait:
+        raise ConfigError("--no-wait is for join")
+    transport, names = _transport(config)
+    if args.action == "join":
+        join_server(transport, names, url, engine, args.timeout_s, wait=not args.no_wait)
+    else:
+        leave_server(transport, names, url, engine, args.timeout_s)
+    return 0

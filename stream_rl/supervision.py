@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stream_rl.children import Child, child_env, die_with_parent
+from stream_rl.children import Child, child_env, child_index, die_with_parent
 from stream_rl.config import RunConfig
 from stream_rl.contracts import WeightVersionKind
 from stream_rl.errors import StreamRLError
@@ -72,8 +72,17 @@ class Supervision:
         targets.append(target(f"127.0.0.1:{launcher_port}", "launcher", "launcher"))
         (self.run_dir / "prometheus-targets.json").write_text(json.dumps(targets, indent=2))
 
+    def server_url(self, index: int) -> str:
+        """The URL of launched server `index`."""
+        inf = self.config.inference
+        return f"http://{inf.host}:{inf.base_port + index}"
+
     def server_urls(self) -> list[str]:
-        return self.config.inference.server_urls()
+        """The run's servers now: the configured ones, or the launched ones (`scale` changes them)."""
+        if self.config.inference.servers:
+            return self.config.inference.server_urls()
+        launched = sorted(child_index(c) for c in self.children if c.role == "server")
+        return [self.server_url(i) for i in launched]
 
     # -- processes -------------------------------------------------------------------------
     def spawn(self, child: Child) -> None:

@@ -67,9 +67,12 @@ the run is configured with (not the live members: asking the broker for them is 
 a broker restart can turn into a process abort in librdkafka 2.16; a dead actor makes N an
 overestimate, which only admits less). Exact
 for one actor. With N actors A is an estimate: the others' progress is up to `refresh_s` old,
-and two actors may admit in the same instant, so the in-flight samples can exceed B by up to
-(N − 1)·g for a while, and the lag bound (or conventional mode's exactness) holds only up to
-that overshoot. (`straggler_guard` makes no difference here: R moves only once every
+and two actors may admit in the same instant, so the in-flight samples can exceed B by what the
+others committed since the last refresh, and the lag bound (or conventional mode's exactness)
+holds only up to that overshoot. Measured (README "Scaling during a run"): two actors, about 3
+versions/s, `refresh_s` 2 s, L = 1: samples trained up to 9-11 versions old. An exact bound for
+several actors needs the trainer to publish what it consumed per actor (not built).
+(`straggler_guard` makes no difference here: R moves only once every
 admitted sample, the straggler's included, has been trained.)
 """
 

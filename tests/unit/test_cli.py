@@ -89,3 +89,43 @@ def test_servers_commands_refuse_what_they_would_ignore_in_one_line(
     for args, line in cases.items():
         rc = main(["servers", *args, "--bootstrap", "127.0.0.1:1"])
         assert rc == 2 and capsys.readouterr().err.strip() == line, args
+
+
+def test_scale_refuses_in_one_line_what_it_cannot_do(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    runs = ["--run", "r", "--runs-dir", str(tmp_path)]
+    cases = {
+        (
+            "actor=two",
+        ): "error: 'actor=two': expected ROLE=N with ROLE one of actor, verifier, preprocessor, server and N a count",
+        (
+            "trainer=2",
+        ): "error: 'trainer=2': expected ROLE=N with ROLE one of actor, verifier, preprocessor, server and N a count",
+        ("actor=1", "actor=2"): "error: actor given twice",
+        (
+            "actor=1",
+        ): f"error: run r has no launcher running ({tmp_path / 'r' / 'processes.json'}): `scale` changes "
+        "launcher-managed runs; scale stages started by hand by starting or stopping them (README 'Scaling during a run')",
+    }
+    for args, line in cases.items():
+        assert main(["scale", *runs, *args]) == 2 and capsys.readouterr().err.strip() == line, args
+
+
+def test_the_launcher_checks_every_count_before_it_scales_anything(tmp_path: Path) -> None:
+    from stream_rl.config import load_config
+    from stream_rl.errors import StreamRLError
+    from stream_rl.kafka.stage import StopFlag
+    from stream_rl.launch import Launcher
+
+    config = load_config(None, [f"runs_dir={tmp_path}", "launcher.actors=2"])
+    launcher = Launcher(config, StopFlag())
+    for counts, message in (
+        ({"actor": 3}, "actor=3: at most launcher.actors (2)"),
+        ({"verifier": 0}, "verifier=0: a run needs at least one verifier"),
+    ):
+        with pytest.raises(StreamRLError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            launcher._check(counts)
+    hand = load_config(None, [f"runs_dir={tmp_path}", "inference.servers=[{url: 'http://a:1'}]"])
+    with pytest.raises(StreamRLError, match="not launched: add others with `stream-rl servers join`"):
+        Launcher(hand, StopFlag())._check({"server": 2})
