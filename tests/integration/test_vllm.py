@@ -309,3 +309,28 @@ def test_the_guard_wants_the_admin_token_on_weight_routes_only(server: Any, toke
     assert ok.status_code == 200 and ok.json() == {"is_paused": False}
     assert httpx.get(f"{server.url}/weight_info", timeout=10).status_code == 200  # the actor's
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_a_vllm_server_joins_a_run_as_the_servers_protocol_says(
+    server: Any, token: str, kafka: Any, run_names: Any
+) -> None:
+    """docs/servers-protocol.md with vLLM: `servers join --engine vllm`'s health and version
+    routes, the trainer's sender taking a server added after it started, and the `/metrics`
+    gauges `servers leave` drains on (vLLM's names)."""
+    from stream_rl.kafka.membership import read_members
+    from stream_rl.membership import _held, join_server, load
+
+    said: list[str] = []
+    join_server(kafka, run_names, server.url, "vllm", timeout_s=60, wait=False, say=said.append)
+    assert read_members(kafka, run_names)[server.url].routable and "healthy" in said[0]
+    sender = VLLMWeightSender([], timeout_s=30.0, bucket_bytes=1 << 16)  # a trainer with no server yet
+    try:
+        sender.add(ServerEndpoint(server.url, token))
+        assert sender.connect() == {} and sender.live_servers == [server.url]
+        version = next_version()
+        push(sender, version, perturbed(server.model, seed=6))
+        assert run(_held("vllm", server.url)) == version
+        assert sender.forget(server.url) and sender.live_servers == [] and not sender.forget(server.url)
+    finally:
+        sender.close()
+    assert load("vllm", server.url) == 0  # vllm:num_requests_running + vllm:num_requests_waiting, idle

@@ -256,3 +256,32 @@ def test_scalable_stages_take_their_pod_name_as_instance() -> None:
         env = {e["name"]: e for e in container["env"]}
         assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
         assert env["STREAM_RL_METRICS_HOST"]["value"] == "0.0.0.0"
+
+
+def test_server_pods_join_and_leave_the_run_from_their_hooks() -> None:
+    sts = by_kind("StatefulSet")["stream-rl-server"]
+    spec = sts["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    cfg = run_config()
+    port = command_parser("serve")[0].parse_args(container["args"][1:]).port
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    url = f"http://{sts['metadata']['name']}-0.{sts['spec']['serviceName']}:{port}"
+    assert url in cfg.inference.server_urls()  # the hooks name a listed pod as the config does
+    for hook, action in (("postStart", "join"), ("preStop", "leave")):
+        sh, dash_c, line = container["lifecycle"][hook]["exec"]["command"]
+        assert (sh, dash_c) == ("sh", "-c") and line.startswith("exec stream-rl servers ")
+        args = shlex.split(line)[2:]
+        parsed = command_parser("servers")[0].parse_args(args[1:])
+        assert (
+            parsed.action == action and parsed.url.replace("$POD_NAME", f"{sts['metadata']['name']}-0") == url
+        )
+        assert _mounted_from(spec, parsed.config) == ("stream-rl-run", "run.yaml")
+    leave = command_parser("servers")[0].parse_args(
+        shlex.split(container["lifecycle"]["preStop"]["exec"]["command"][2])[3:]
+    )
+    assert spec["terminationGracePeriodSeconds"] > leave.timeout_s  # the drain ends before SIGKILL
+    ca = _mounted_from(spec, cfg.kafka.client_properties["ssl.ca.location"])
+    assert ca == ("stream-rl-cluster-ca-cert", "ca.crt")
+    secret = _mounted_from(spec, cfg.kafka.secret_properties["sasl.password"].removeprefix("file:"))
+    assert secret == (cfg.kafka.client_properties["sasl.username"], "password")
