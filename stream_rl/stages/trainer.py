@@ -470,7 +470,9 @@ class TrainerStage:
             self.roster.apply(read_members(self.transport, self.names, self.serde).values())
             self._members = follow_members(self.transport, self.names, f"{STAGE}-servers")
             if self.pusher is not None:
-                connect_servers(self.pusher, self.tcfg.connect_timeout_s, self.stop)
+                connect_servers(
+                    self.pusher, self.tcfg.connect_timeout_s, self.stop, optional=self.roster.from_topic
+                )
                 self._last_connect = time.monotonic()
             kind = WeightVersionKind.INIT if self.state.version == 0 else WeightVersionKind.UPDATE
             if self.state.version >= self.tcfg.max_steps:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -207,9 +207,18 @@ class MultiSender:
             sender.close()
 
 
-def connect_servers(pusher: WeightPusher, timeout_s: float, stop: StopFlag, retry_s: float = 1.0) -> None:
+def connect_servers(
+    pusher: WeightPusher,
+    timeout_s: float,
+    stop: StopFlag,
+    retry_s: float = 1.0,
+    optional: Collection[str] = (),
+) -> None:
     """Ask every server to join until all have, or `timeout_s` passed (servers may still be
-    loading). Raises `WeightSyncError` if none joined; some missing is logged and tolerated."""
+    loading). Raises `WeightSyncError` if none joined; some missing is logged and tolerated.
+    `optional` servers (those that joined the run before this start, through the `servers` topic:
+    they were up then, and one that does not answer now is likely gone) are not waited for: they
+    re-join when they answer `/health` (`rejoin_dropped`)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -217,6 +226,13 @@ def connect_servers(pusher: WeightPusher, timeout_s: float, stop: StopFlag, retr
         except WeightSyncError as exc:
             failures = {"all servers": str(exc)}
         if not failures:
+            return
+        if pusher.live_servers and set(failures) <= set(optional):
+            log.warning(
+                "servers that joined the run before this start did not join the weight sync (gone?): %s; "
+                "they re-join when they answer /health",
+                dict(failures),
+            )
             return
         if time.monotonic() >= deadline or stop:
             if pusher.live_servers:

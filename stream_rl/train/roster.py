@@ -26,6 +26,8 @@ class Roster:
         self.servers: dict[str, ServerConfig] = {s.url: s for s in config.inference.server_list()}
         self.joined = 0
         """Servers added by a `joined` record (not the configured ones)."""
+        self.from_topic: set[str] = set()
+        """The servers in `servers` that came from a `joined` record."""
         self.left = 0
 
     def urls(self) -> list[str]:
@@ -44,10 +46,12 @@ class Roster:
                 self.servers[server.url] = server
                 self.pusher = add_server(self.config, self.pusher, server)
                 self.joined += 1
+                self.from_topic.add(server.url)
                 added.append(server.url)
                 log.info("server %s (%s) joined the run: joining it to the weight sync", m.url, m.engine)
             elif not m.routable and known:
                 del self.servers[m.url]
+                self.from_topic.discard(m.url)
                 if self.pusher is not None:
                     self.pusher.forget(m.url)
                 self.left += 1

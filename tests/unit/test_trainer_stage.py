@@ -274,3 +274,20 @@ def test_a_server_joining_the_run_is_pushed_the_current_version_and_a_leaving_on
         stop.set("test")
         thread.join(30)
     assert stats and stats[0].version == 0
+
+
+def test_a_start_waits_for_the_configured_servers_not_for_gone_joined_ones() -> None:
+    from stream_rl.train.push import connect_servers
+
+    class Half(FakePusher):
+        def connect(self) -> dict[str, str]:
+            self.live = ["http://a:1"]
+            self.calls = getattr(self, "calls", 0) + 1
+            return {"http://b:2": "connection refused"}
+
+    joined_before = Half()
+    connect_servers(joined_before, 30.0, StopFlag(), retry_s=0.01, optional={"http://b:2"})
+    assert joined_before.calls == 1  # b joined the run through the topic earlier: not waited for
+    configured = Half()
+    connect_servers(configured, 0.05, StopFlag(), retry_s=0.01)
+    assert configured.calls > 1  # a configured server is asked until the timeout
