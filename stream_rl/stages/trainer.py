@@ -19,9 +19,10 @@ joined to the weight sync and pushed the current version as soon as the record i
 micro-batches), so it holds the newest version before any actor routes to it; a draining or left
 one is dropped and never re-joined (`stream_rl.train.roster`).
 
-While no input comes (at most every `RECONNECT_EVERY_S`): live servers are asked the version they
-hold, one older than the last push (restarted since, no push failed on it) is dropped; dropped
-servers that answer `/health` re-join; and those are pushed the current version at once.
+While no input comes (at most every `server_sync.RECONNECT_EVERY_S`): live servers are asked the
+version they hold, one older than the last push (restarted since, no push failed on it) is
+dropped; dropped servers that answer `/health` re-join; and those are pushed the current version
+at once (`stream_rl.train.server_sync`).
 
 Start: resume from the latest checkpoint if there is one (weights, optimizer, schedule, RNG,
 counters, offsets), else the model at `model.path` as version 0. Broadcast that version to every
@@ -45,7 +46,6 @@ import argparse
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -55,15 +55,13 @@ from stream_rl.config import RunConfig
 from stream_rl.contracts import (
     EvalResult,
     PartitionOffset,
-    ServerMembership,
     TrainingBatch,
     WeightVersion,
     WeightVersionKind,
 )
-from stream_rl.errors import ConfigError, ContractError, KafkaError, WeightSyncError
+from stream_rl.errors import ConfigError, ContractError, KafkaError
 from stream_rl.kafka.dead_letters import DeadLetters
 from stream_rl.kafka.follower import RecordFollower
-from stream_rl.kafka.membership import follow_members, read_members
 from stream_rl.kafka.serde import Serde, default_serde
 from stream_rl.kafka.stage import StopFlag
 from stream_rl.kafka.topics import EVAL_RESULTS, TRAINING_BATCHES, WEIGHT_VERSIONS, TopicNames
@@ -86,28 +84,21 @@ from stream_rl.train.lineage import by_version, read_weight_versions
 from stream_rl.train.push import (
     PushOutcome,
     WeightPusher,
-    connect_servers,
-    drop_restarted,
     make_sender,
-    rejoin_dropped,
 )
 from stream_rl.train.record import write_run_record
-from stream_rl.train.roster import Roster
+from stream_rl.train.server_sync import ServerSync
 from stream_rl.train.step import TrainerBackend
 from stream_rl.train.step_runner import StepRunner, unusable_reason
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 log = logging.getLogger(__name__)
 
 STAGE = "trainer"
 CONSUMES = TRAINING_BATCHES
 PRODUCES = (WEIGHT_VERSIONS,)
-RECONNECT_EVERY_S = 2.0
-"""Dropped servers that answer /health are asked to re-join at most this often (before a push, so
-a restarted server gets the next version at once and is routed to again); while no step completes,
-live servers are asked for the version they hold at most this often too (`_rejoin_while_idle`)."""
 
 
 @dataclass
@@ -151,16 +142,14 @@ class TrainerStage:
         self.dlq_topic = self.names.dlq(TRAINING_BATCHES)
         self.dead_letters = DeadLetters(STAGE, self.dlq_topic)
         self.out_topic = self.names.topic(WEIGHT_VERSIONS)
-        self.roster = Roster(config, pusher if pusher is not None else make_sender(config))
+        self.bucket_bytes = int(self.tcfg.bucket_mb * 2**20)
+        self.servers = ServerSync(
+            config, pusher if pusher is not None else make_sender(config), self.bucket_bytes
+        )
         self.stop = stop if stop is not None else StopFlag()
         self.serde = serde or default_serde()
         self.ckpt_dir = checkpoint_root(config)
         self.stats = TrainerStats()
-        self.bucket_bytes = int(self.tcfg.bucket_mb * 2**20)
-        self._last_connect = 0.0
-        self._pushed: int | None = None
-        """The version of the last push: every server still live holds it (a failing one is dropped)."""
-        self._restarted_since_step = 0
         self._checkpointed_step = -1
         self._last_step_end = time.monotonic()
         self._published_here: set[int] = set()
@@ -169,8 +158,6 @@ class TrainerStage:
             self._evals = RecordFollower(
                 transport, self.names.topic(EVAL_RESULTS), EvalResult, f"{STAGE}-evals", self.serde
             )
-        self._members: RecordFollower[ServerMembership] | None = None
-        self._last_members = 0.0
         self.trainer: TrainerBackend  # set by _load()
         self.producer: Producer  # set by run()
 
@@ -194,7 +181,7 @@ class TrainerStage:
 
     @property
     def pusher(self) -> WeightPusher | None:
-        return self.roster.pusher
+        return self.servers.pusher
 
     # -- weights out -------------------------------------------------------------------------
 
@@ -202,93 +189,11 @@ class TrainerStage:
         """The weights' checksum, and the push of `version` to the servers (gathered once)."""
         from stream_rl.weights.checksum import weights_checksum
 
-        if self.pusher is not None and time.monotonic() - self._last_connect >= RECONNECT_EVERY_S:
-            self._last_connect = time.monotonic()
-            rejoin_dropped(self.pusher, self.roster.urls())
+        self.servers.rejoin_due()
         with self.trainer.full_weights() as named:
             checksum = weights_checksum(named)
-            report = None if self.pusher is None else self._push(self.pusher, version, named)
+            report = self.servers.push(version, named)
         return checksum, report
-
-    def _push(
-        self, pusher: WeightPusher, version: int, named: Sequence[tuple[str, torch.Tensor]]
-    ) -> PushOutcome:
-        """Push `version`; a server it failed on is logged and counted (the sender dropped it)."""
-        report = pusher.push(version, named, self.bucket_bytes)
-        self._pushed = version
-        for url, why in report.failed.items():
-            log.warning("server %s dropped at version %d: %s", url, version, why)
-            tm.SERVER_FAILURES.inc()
-        return report
-
-    def _rejoin_while_idle(self) -> None:
-        """Re-join servers that came back while no step completes, and push them the current
-        version now. A restarted server holds its initial weights; the actors route to no server
-        older than the bound, so with every server dropped no sample comes, no step completes, and
-        a re-join left to the next push would never happen (the run would wait for good).
-
-        A server killed and restarted right after a push is still live here (no push failed on
-        it): so live servers are first asked which version they hold (`drop_restarted`, one short
-        GET each through the engine's route), and one older than the last push is dropped, then
-        re-joined and pushed with the others that came back."""
-        if self.pusher is None or time.monotonic() - self._last_connect < RECONNECT_EVERY_S:
-            return
-        self._last_connect = time.monotonic()
-        if self._pushed is not None:
-            restarted = drop_restarted(self.pusher, self.roster.configs(), self._pushed)
-            self.stats.restarted_servers += len(restarted)
-            self._restarted_since_step += len(restarted)
-            tm.SERVERS_RESTARTED.inc(len(restarted))
-        if not rejoin_dropped(self.pusher, self.roster.urls()):
-            return
-        version = self.state.version
-        with self.trainer.full_weights() as named:
-            report = self._push(self.pusher, version, named)
-        if report.per_server:
-            log.info(
-                "version %d pushed to re-joined server(s) %s", version, ", ".join(sorted(report.per_server))
-            )
-
-    def _check_members(self) -> None:
-        """Apply the `servers` records read since the last call (at most every 0.5 s); a server
-        that joined is joined to the weight sync and pushed the current version now."""
-        if self._members is None or time.monotonic() - self._last_members < 0.5:
-            return
-        self._last_members = time.monotonic()
-        joined = self.roster.apply(self._members.drain())
-        if joined:
-            self._welcome(joined)
-
-    def _welcome(self, urls: Sequence[str]) -> None:
-        pusher = self.pusher
-        assert pusher is not None  # the roster made one for the joined servers
-        started = time.monotonic()
-        try:
-            failures = dict(pusher.connect())
-        except WeightSyncError as exc:
-            failures = {url: str(exc) for url in urls}
-        for url in urls:
-            if url in failures:
-                log.warning(
-                    "server %s joined the run but not the weight sync: %s (retried while it answers "
-                    "/health; it is routed to only once it holds the newest version)",
-                    url,
-                    failures[url],
-                )
-        if not any(url in set(pusher.live_servers) for url in urls):
-            return
-        version = self.state.version
-        with self.trainer.full_weights() as named:
-            report = self._push(pusher, version, named)
-        welcomed = sorted(url for url in urls if url in set(report.updated))
-        if welcomed:
-            tm.SERVERS_JOINED.inc(len(welcomed))
-            log.info(
-                "version %d pushed to joining server(s) %s, %.0f ms after their record was read",
-                version,
-                ", ".join(welcomed),
-                (time.monotonic() - started) * 1000,
-            )
 
     def _publish(
         self,
@@ -414,9 +319,9 @@ class TrainerStage:
             broadcast_ms=report.broadcast_ms if report else 0.0,
             checkpoint_ms=(now - started) * 1000 if uri else 0.0,
         )
-        if self._restarted_since_step:  # found while idle before this step (`_rejoin_while_idle`)
-            metrics["servers_restarted"] = float(self._restarted_since_step)
-            self._restarted_since_step = 0
+        if self.servers.restarted_since_step:  # found while idle before this step
+            metrics["servers_restarted"] = float(self.servers.restarted_since_step)
+            self.servers.restarted_since_step = 0
         self._last_step_end = now
         self._publish(WeightVersionKind.FINAL if final else WeightVersionKind.UPDATE, report, metrics, uri)
         if uri is not None and st.offsets:
@@ -467,13 +372,7 @@ class TrainerStage:
             self.history = {v: wv for v, wv in lineage.items() if v >= self.state.version}
             self.producer = producer = self.transport.producer(f"{STAGE}-{self.config.run}")
             consumer = self.transport.consumer(self.names.group(STAGE), STAGE)
-            self.roster.apply(read_members(self.transport, self.names, self.serde).values())
-            self._members = follow_members(self.transport, self.names, f"{STAGE}-servers")
-            if self.pusher is not None:
-                connect_servers(
-                    self.pusher, self.tcfg.connect_timeout_s, self.stop, optional=self.roster.from_topic
-                )
-                self._last_connect = time.monotonic()
+            self.servers.start(self.transport, self.names, self.serde, self.stop)
             kind = WeightVersionKind.INIT if self.state.version == 0 else WeightVersionKind.UPDATE
             if self.state.version >= self.tcfg.max_steps:
                 kind = WeightVersionKind.FINAL
@@ -493,13 +392,12 @@ class TrainerStage:
             finally:
                 UP.labels(STAGE).set(0)
                 trainer: TrainerBackend | None = getattr(self, "trainer", None)
-                for closer in (trainer, consumer, producer, self.pusher):
+                for closer in (trainer, consumer, producer, self.servers):
                     if closer is not None:
                         closer.close()  # DeepSpeed: releases the other ranks
                 if self._evals is not None:
                     self._evals.stop()
-                if self._members is not None:
-                    self._members.stop()
+        self.stats.restarted_servers = self.servers.restarted
         self.stats.version = self.state.version
         self.stats.checksum = self.state.checksum
         return self.stats
@@ -516,14 +414,14 @@ class TrainerStage:
             if self.state.version >= target:
                 self.stats.stopped_by = "max_steps"
                 return
-            self._check_members()
+            self.servers.check_members(self.trainer.full_weights, self.state.version)
             if not buffer:
                 msgs = consumer.poll_batch(64, 0.2)
                 if not msgs:
                     if idle_timeout_s is not None and time.monotonic() - last_input >= idle_timeout_s:
                         self.stats.stopped_by = "idle_timeout"
                         return
-                    self._rejoin_while_idle()
+                    self.servers.while_idle(self.trainer.full_weights, self.state.version)
                     continue
                 buffer.extend(msgs)
                 last_input = time.monotonic()

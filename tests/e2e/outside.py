@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -79,3 +80,46 @@ def committed(bootstrap: str, group: str, name: str) -> dict[int, int]:
         return {r.partition: r.offset for r in res}
     finally:
         consumer.close()
+
+
+class VersionWatch:
+    """A run's weight versions as they come, read from `weight-versions` outside any group (what
+    the chaos and scaling tests act on). The topic is assigned once it exists (the launcher makes
+    it after it starts)."""
+
+    def __init__(self, bootstrap: str, run: str, decoder: Decoder) -> None:
+        self.decoder = decoder
+        self.topic = topic(run, "weight-versions")
+        self.consumer = ck.Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": "version-watch",
+                "enable.auto.commit": False,
+                "log_level": 0,
+            }
+        )
+        self.assigned = False
+        self.versions: dict[int, dict[str, Any]] = {}
+        """version -> its first record."""
+
+    @property
+    def newest(self) -> int:
+        return max(self.versions, default=-1)
+
+    def poll(self, timeout_s: float = 0.5) -> int:
+        """Read what came within `timeout_s`; the newest version seen (-1: none yet)."""
+        if not self.assigned:
+            try:
+                self.consumer.assign([ck.TopicPartition(self.topic, 0, 0)])
+                self.assigned = True
+            except ck.KafkaException:
+                time.sleep(1)
+                return self.newest
+        for m in self.consumer.consume(100, timeout_s):
+            if m.error() is None and m.value():
+                wv = self.decoder.decode(m.value())[1]
+                self.versions.setdefault(wv["version"], wv)
+        return self.newest
+
+    def close(self) -> None:
+        self.consumer.close()

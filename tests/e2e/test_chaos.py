@@ -19,7 +19,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import confluent_kafka as ck
 import pytest
 import yaml
 from chaos_checks import (
@@ -30,7 +29,7 @@ from chaos_checks import (
     versions_gapless,
     within_lag_bound,
 )
-from outside import Decoder, topic
+from outside import Decoder, VersionWatch
 
 pytestmark = pytest.mark.e2e
 
@@ -65,24 +64,14 @@ step can take longer, then the kill falls before the last push, which fails and 
 the path the other kills take)."""
 
 
-def _versions(consumer: ck.Consumer, decoder: Decoder, seen: dict[int, dict[str, Any]]) -> int:
-    for m in consumer.consume(100, 0.5):
-        if m.error() is None and m.value():
-            _name, wv = decoder.decode(m.value())
-            seen.setdefault(wv["version"], wv)
-    return max(seen, default=-1)
-
-
-def _drain_then_kill(
-    pids: dict[str, int], reader: ck.Consumer, decoder: Decoder, seen: dict[int, dict[str, Any]]
-) -> int:
+def _drain_then_kill(pids: dict[str, int], watch: VersionWatch) -> int:
     """Pause actor-0 until no version comes for `QUIET_S` (at most 60 s), SIGKILL server-0, resume
     the actor; returns the last version pushed before the kill."""
     os.kill(pids["actor-0"], signal.SIGSTOP)
     try:
-        last, quiet_since, limit = max(seen, default=-1), time.monotonic(), time.monotonic() + 60
+        last, quiet_since, limit = watch.newest, time.monotonic(), time.monotonic() + 60
         while time.monotonic() - quiet_since < QUIET_S and time.monotonic() < limit:
-            version = _versions(reader, decoder, seen)
+            version = watch.poll()
             if version != last:
                 last, quiet_since = version, time.monotonic()
         os.kill(pids["server-0"], signal.SIGKILL)
@@ -137,31 +126,15 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     decoder = Decoder()
-    seen: dict[int, dict[str, Any]] = {}
     done: list[str] = []
     run_dir = tmp / "runs" / RUN
-    reader = ck.Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": "chaos-watch",
-            "log_level": 0,
-            "enable.auto.commit": False,
-        }
-    )
+    watch = VersionWatch(bootstrap, RUN, decoder)
     try:
         # A bound for a hung run (~4 min on 2 cores beside two other xdist workers).
         deadline = time.monotonic() + 620
         plan = list(PLAN)
-        assigned = False
         while proc.poll() is None and time.monotonic() < deadline:
-            if not assigned:
-                try:
-                    reader.assign([ck.TopicPartition(topic(RUN, "weight-versions"), 0, 0)])
-                    assigned = True
-                except ck.KafkaException:
-                    time.sleep(1)
-                    continue
-            version = _versions(reader, decoder, seen)
+            version = watch.poll()
             if plan and version >= plan[0][0]:
                 _at, action = plan.pop(0)
                 pids = json.loads((run_dir / "processes.json").read_text())["pids"]
@@ -170,7 +143,7 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                     time.sleep(1)
                     _up(broker)
                 elif action == "drained server-0":
-                    version = _drain_then_kill(pids, reader, decoder, seen)
+                    version = _drain_then_kill(pids, watch)
                 else:
                     os.kill(pids[action], signal.SIGKILL)
                 done.append(f"{action}@{version}")
@@ -178,7 +151,7 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             proc.kill()
         proc.wait(60)
     finally:
-        reader.close()
+        watch.close()
         log.close()
         if proc.poll() is None:
             proc.kill()

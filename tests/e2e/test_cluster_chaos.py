@@ -18,12 +18,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import confluent_kafka as ck
 import pytest
 import yaml
 from chaos_checks import collect, none_trained_twice, nothing_lost, versions_gapless, within_lag_bound
 from confluent_kafka.admin import AdminClient
-from outside import Decoder, topic
+from outside import Decoder, VersionWatch, topic
 
 pytestmark = pytest.mark.e2e
 
@@ -71,8 +70,7 @@ def cluster_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )  # fmt: skip
     decoder = Decoder()
     admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
-    reader = ck.Consumer({"bootstrap.servers": bootstrap, "group.id": "cluster-watch", "log_level": 0})
-    seen: set[int] = set()
+    watch = VersionWatch(bootstrap, RUN, decoder)
     done: list[str] = []
     stalls: list[float] = []
     down: tuple[Any, int, float] | None = None  # (node, version at the kill, when)
@@ -80,19 +78,8 @@ def cluster_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     try:
         deadline = time.monotonic() + 520
         plan = list(PLAN)
-        assigned = False
         while proc.poll() is None and time.monotonic() < deadline:
-            if not assigned:
-                try:
-                    reader.assign([ck.TopicPartition(topic(RUN, "weight-versions"), 0, 0)])
-                    assigned = True
-                except ck.KafkaException:
-                    time.sleep(1)
-                    continue
-            for m in reader.consume(100, 0.5):
-                if m.error() is None and m.value():
-                    seen.add(decoder.decode(m.value())[1]["version"])
-            version = max(seen, default=-1)
+            version = watch.poll()
             if down is not None:
                 node, at, when = down
                 if version > at and stalled:
@@ -119,7 +106,7 @@ def cluster_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         out = (tmp / "launcher.log").read_text(errors="replace")
         data = collect(bootstrap, RUN, decoder)
     finally:
-        reader.close()
+        watch.close()
         log.close()
         if proc.poll() is None:
             proc.kill()

@@ -28,11 +28,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import confluent_kafka as ck
 import pytest
 import yaml
 from chaos_checks import collect, none_trained_twice, nothing_lost, versions_gapless
-from outside import Decoder, read_topic, topic
+from outside import Decoder, VersionWatch, read_topic, topic
 
 pytestmark = pytest.mark.e2e
 
@@ -105,26 +104,14 @@ def elastic(tmp_path_factory: pytest.TempPathFactory, kafka_bootstrap: str) -> d
     url, scaled_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{base + 1}"
     runs = ["--run", RUN, "--runs-dir", str(tmp / "runs")]
     decoder = Decoder()
-    reader = ck.Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": "elastic-watch", "log_level": 0})
-    seen: set[int] = set()
+    watch = VersionWatch(kafka_bootstrap, RUN, decoder)
     marks: dict[str, Any] = {}
     steps.start("launcher", "run", str(path))
     run = steps.procs["launcher"]
     try:
         deadline = time.monotonic() + 440
-        assigned = False
         while run.poll() is None and time.monotonic() < deadline:
-            if not assigned:
-                try:
-                    reader.assign([ck.TopicPartition(topic(RUN, "weight-versions"), 0, 0)])
-                    assigned = True
-                except ck.KafkaException:
-                    time.sleep(1)
-                    continue
-            for m in reader.consume(100, 0.5):
-                if m.error() is None and m.value():
-                    seen.add(decoder.decode(m.value())[1]["version"])
-            version = max(seen, default=-1)
+            version = watch.poll()
             if "server" not in steps.procs and version >= JOIN_AT:
                 marks["version_at_join"] = version
                 server_env = {**env, "STREAM_RL_ADMIN_TOKEN": TOKEN}
@@ -136,7 +123,7 @@ def elastic(tmp_path_factory: pytest.TempPathFactory, kafka_bootstrap: str) -> d
                 )
                 steps.start("scale_up", "scale", *runs, "actor=1", "verifier=2", "server=2")
             if "current" not in marks and steps.done("join", "scale_up"):
-                marks["current"] = max(seen)
+                marks["current"] = watch.newest
                 listing = subprocess.run(
                     [*CLI, "servers", "list", "--config", str(path)], cwd=REPO, capture_output=True, text=True
                 )
@@ -148,7 +135,7 @@ def elastic(tmp_path_factory: pytest.TempPathFactory, kafka_bootstrap: str) -> d
                 )
                 steps.start("scale_down", "scale", *runs, "server=1")
             if "left" not in marks and steps.done("leave", "scale_down"):
-                marks["left"] = max(seen)
+                marks["left"] = watch.newest
                 os.killpg(steps.procs["server"].pid, signal.SIGTERM)
                 marks["server_rc"] = steps.procs["server"].wait(30)
             if "left" in marks and version >= marks["left"] + AFTER and "stopped" not in marks:
@@ -162,7 +149,7 @@ def elastic(tmp_path_factory: pytest.TempPathFactory, kafka_bootstrap: str) -> d
             decoder.decode(v)[1] for _p, _o, v in read_topic(kafka_bootstrap, topic(RUN, "servers")) if v
         ]
     finally:
-        reader.close()
+        watch.close()
         steps.close()
     outs = {name: steps.out(name) for name in steps.procs}
     trainer_log = (tmp / "runs" / RUN / "trainer" / "stdout.log").read_text(errors="replace")

@@ -22,6 +22,7 @@ from stream_rl.kafka.memory import MemoryTransport
 from stream_rl.kafka.stage import StopFlag
 from stream_rl.stages import trainer as trainer_stage
 from stream_rl.train import push as push_module
+from stream_rl.train import server_sync
 
 pytestmark = pytest.mark.unit
 
@@ -125,7 +126,7 @@ def test_a_server_restarted_right_after_a_push_is_re_pushed_while_idle(
     transport = MemoryTransport()
     setup_topics(transport, "r1", make_batches(2, 2, seed=3))  # one step: version 1, then idle
     pusher = ServingPusher(servers, restart_after=1)
-    monkeypatch.setattr(trainer_stage, "RECONNECT_EVERY_S", 0.0)
+    monkeypatch.setattr(server_sync, "RECONNECT_EVERY_S", 0.0)
     config = served_config(tmp_path, model_dir, servers)
     stats = trainer_stage.run(config, transport, pusher=pusher, stop=pusher.stop, idle_timeout_s=5.0)
     a, b = servers

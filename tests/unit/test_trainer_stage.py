@@ -24,6 +24,7 @@ from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.stage import StopFlag
 from stream_rl.kafka.topics import TRAINING_BATCHES, WEIGHT_VERSIONS, TopicNames
 from stream_rl.stages import trainer as trainer_stage
+from stream_rl.train import server_sync
 from stream_rl.train.checkpoint import latest_checkpoint, read_state
 
 pytestmark = pytest.mark.unit
@@ -219,8 +220,8 @@ def test_a_server_back_while_no_step_completes_gets_the_current_version_at_once(
         rejoined.append("http://b:2")
         return True
 
-    monkeypatch.setattr(trainer_stage, "rejoin_dropped", rejoin)
-    monkeypatch.setattr(trainer_stage, "RECONNECT_EVERY_S", 0.0)
+    monkeypatch.setattr(server_sync, "rejoin_dropped", rejoin)
+    monkeypatch.setattr(server_sync, "RECONNECT_EVERY_S", 0.0)
     stats = trainer_stage.run(
         make_config(tmp_path, model_dir, max_steps=3), transport, pusher=pusher, idle_timeout_s=0.5
     )
