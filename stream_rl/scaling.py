@@ -9,9 +9,9 @@ which the command prints (exit 2 with the error, nothing changed). What the laun
 - **verifier, preprocessor**: starts instances `<role>-<i>` (the next indices; they join their
   consumer group) or stops the highest ones with SIGTERM (a clean drain; their partitions pass to
   the others when their static-member session expires: README "Scaling during a run").
-- **actor**: the same, between 1 and `launcher.actors`: every actor's share of the staleness bound
-  counts `launcher.actors` actors (`stream_rl.stages.admission`), so more would break the bound,
-  fewer only admit less. Start the run with the most actors it will use.
+- **actor**: the same; actors share the staleness bound by the partitions of `problems` they
+  hold (`stream_rl.stages.admission`), so any number works (more actors than partitions idle).
+  A run whose lineage began before the per-partition counts is held to `launcher.actors`.
 - **server** (launched servers only, `inference.num_servers`): a new `server-<i>` on
   `base_port + i` is started, joined to the run as `stream-rl servers join` does
   (`docs/servers-protocol.md`: the trainer pushes it the current version, the actors route to it
@@ -156,11 +156,11 @@ class Scaling:
         for role, n in counts.items():
             if n < 1:
                 raise ConfigError(f"{role}={n}: a run needs at least one {role}")
-            if role == "actor" and n > cfg.launcher.actors:
+            if role == "actor" and n > cfg.launcher.actors and not self._shares_by_partition():
                 raise ConfigError(
-                    f"actor={n}: at most launcher.actors ({cfg.launcher.actors}): each actor's share of the "
-                    "staleness bound counts launcher.actors actors, so more would break the bound; start "
-                    "the run with the most actors it will use"
+                    f"actor={n}: at most launcher.actors ({cfg.launcher.actors}) for this run: its lineage "
+                    "began before the trainer counted samples per partition, so its actors share the "
+                    "staleness bound by launcher.actors; start it with the most actors it will use"
                 )
             if role == "server":
                 if cfg.inference.servers:
@@ -176,6 +176,15 @@ class Scaling:
                     port = cfg.inference.base_port + index
                     if not port_is_free(port, cfg.inference.host):
                         raise StreamRLError(f"server={n}: port {port} for server-{index} is taken")
+
+    def _shares_by_partition(self) -> bool:
+        """The run's latest version counts what was consumed per partition of `problems`: actors
+        then share the bound by the partitions they hold, whatever their number."""
+        from stream_rl.status import latest_version
+
+        transport, names = self._transport()
+        wv = latest_version(transport, names)
+        return wv is None or wv.attributed
 
     def check_scale(self) -> None:
         """Apply a `stream-rl scale` request if one is waiting (module docstring)."""

@@ -82,6 +82,8 @@ class Rollout:
     generation_ms: float
     completion_mask: list[bool] | None = None
     num_turns: int = 1
+    problem_partition: int = -1
+    """The partition of `problems` the problem came from (-1: not known)."""
 
     @staticmethod
     def make_group_id(problem: Problem) -> str:
@@ -117,6 +119,7 @@ class Rollout:
             "started_ms": self.started_ms,
             "finished_ms": self.finished_ms,
             "generation_ms": self.generation_ms,
+            "problem_partition": self.problem_partition,
         }
 
     @classmethod
@@ -140,6 +143,7 @@ class Rollout:
             started_ms=d["started_ms"],
             finished_ms=d["finished_ms"],
             generation_ms=d["generation_ms"],
+            problem_partition=d.get("problem_partition", -1),
         )
 
     def validate(self) -> None:
@@ -213,6 +217,8 @@ class TrainingSample:
     reward: float
     verdict: Verdict
     finish_reason: str
+    problem_partition: int = -1
+    """Its rollout's `problem_partition`."""
 
     @property
     def completion_len(self) -> int:
@@ -231,6 +237,7 @@ class TrainingSample:
             "reward": self.reward,
             "verdict": self.verdict.value,
             "finish_reason": self.finish_reason,
+            "problem_partition": self.problem_partition,
         }
 
     @classmethod
@@ -247,6 +254,7 @@ class TrainingSample:
             reward=d["reward"],
             verdict=Verdict(d["verdict"]),
             finish_reason=d["finish_reason"],
+            problem_partition=d.get("problem_partition", -1),
         )
 
     def validate(self) -> None:
@@ -273,6 +281,8 @@ class TrainingBatch:
     created_ms: int = field(default_factory=now_ms)
     num_filtered: int = 0
     """Zero-advantage samples dropped since the previous batch (consumed, never trained)."""
+    filtered_by_partition: dict[int, int] = field(default_factory=dict)
+    """`num_filtered` by problem partition (-1: not known)."""
 
     @property
     def num_samples(self) -> int:
@@ -300,6 +310,7 @@ class TrainingBatch:
             "min_version": self.min_version,
             "max_version": self.max_version,
             "num_filtered": self.num_filtered,
+            "filtered_by_partition": {str(p): n for p, n in self.filtered_by_partition.items()},
             "producer_id": self.producer_id,
             "created_ms": self.created_ms,
         }
@@ -313,6 +324,7 @@ class TrainingBatch:
             producer_id=d["producer_id"],
             created_ms=d["created_ms"],
             num_filtered=d.get("num_filtered", 0),
+            filtered_by_partition={int(p): int(n) for p, n in (d.get("filtered_by_partition") or {}).items()},
         )
         require(
             d["num_samples"] == batch.num_samples and d["num_tokens"] == batch.num_tokens,
@@ -323,5 +335,9 @@ class TrainingBatch:
     def validate(self) -> None:
         require(bool(self.samples) or self.num_filtered > 0, f"TrainingBatch {self.batch_id} has no samples")
         require(self.num_filtered >= 0, f"TrainingBatch {self.batch_id}: num_filtered is negative")
+        require(
+            not self.filtered_by_partition or sum(self.filtered_by_partition.values()) == self.num_filtered,
+            f"TrainingBatch {self.batch_id}: filtered_by_partition does not add up to num_filtered",
+        )
         for s in self.samples:
             s.validate()

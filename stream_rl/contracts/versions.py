@@ -43,6 +43,8 @@ class WeightVersion:
     checkpoint_uri: str | None = None
     created_ms: int = field(default_factory=now_ms)
     metrics: dict[str, float] = field(default_factory=dict)
+    consumed_by_partition: dict[int, int] = field(default_factory=dict)
+    """`samples_consumed` by the problems partition its samples came from (-1: not known)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -61,6 +63,7 @@ class WeightVersion:
             "checkpoint_uri": self.checkpoint_uri,
             "created_ms": self.created_ms,
             "metrics": dict(self.metrics),
+            "consumed_by_partition": {str(p): n for p, n in self.consumed_by_partition.items()},
         }
 
     @classmethod
@@ -81,12 +84,20 @@ class WeightVersion:
             checkpoint_uri=d.get("checkpoint_uri"),
             created_ms=d["created_ms"],
             metrics=dict(d.get("metrics") or {}),
+            consumed_by_partition={int(p): int(n) for p, n in (d.get("consumed_by_partition") or {}).items()},
         )
 
     @property
     def samples_consumed(self) -> int:
         """Samples the trainer has taken off the stream: trained or filtered."""
         return self.samples_trained + self.samples_filtered
+
+    @property
+    def attributed(self) -> bool:
+        """Every consumed sample is counted under a known problems partition
+        (`consumed_by_partition`); False for a lineage started before the field existed."""
+        by = self.consumed_by_partition
+        return by.get(-1, 0) == 0 and sum(by.values()) == self.samples_consumed
 
     def validate(self) -> None:
         require(self.version >= 0, "WeightVersion.version is negative")

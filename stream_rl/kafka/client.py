@@ -250,17 +250,29 @@ class KafkaTransport:
         if pending:
             raise KafkaError(f"topics without a leader after {timeout}s: {sorted(pending)}")
 
-    def topic_configs(self, topics: list[str]) -> dict[str, dict[str, str]]:
+    def topic_configs(self, topics: list[str], settle_s: float = 10.0) -> dict[str, dict[str, str]]:
+        """Each topic's configs. A topic created a moment ago may not be known yet to the broker
+        asked (a cluster's metadata spreads in the background): that is retried for `settle_s`."""
         from confluent_kafka.admin import ConfigResource
 
-        res = [ConfigResource(ConfigResource.Type.TOPIC, t) for t in topics]
         out: dict[str, dict[str, str]] = {}
-        for r, fut in self.admin.describe_configs(res, request_timeout=15).items():
-            try:
-                entries = fut.result()
-            except ck.KafkaException as exc:
-                raise fail(f"describe configs of {r.name}", exc) from exc
-            out[r.name] = {k: v.value for k, v in entries.items()}
+        pending = list(topics)
+        deadline = time.monotonic() + settle_s
+        while pending:
+            res = [ConfigResource(ConfigResource.Type.TOPIC, t) for t in pending]
+            pending = []
+            for r, fut in self.admin.describe_configs(res, request_timeout=15).items():
+                try:
+                    entries = fut.result()
+                except ck.KafkaException as exc:
+                    unknown = exc.args[0].code() == ck.KafkaError.UNKNOWN_TOPIC_OR_PART
+                    if unknown and time.monotonic() < deadline:
+                        pending.append(r.name)
+                        continue
+                    raise fail(f"describe configs of {r.name}", exc) from exc
+                out[r.name] = {k: v.value for k, v in entries.items()}
+            if pending:
+                time.sleep(0.2)
         return out
 
     def list_topic_names(self) -> list[str]:

@@ -58,7 +58,7 @@ from stream_rl.kafka.stage import StageStats, StopFlag
 from stream_rl.kafka.topics import PROBLEMS, RAW_ROLLOUTS, TopicNames
 from stream_rl.kafka.transport import Message, TopicPartition, Transport
 from stream_rl.metrics import DUPLICATES, RECORDS_IN, RECORDS_OUT
-from stream_rl.stages.admission import Admission, Key, read_group_view
+from stream_rl.stages.admission import Admission, GroupView, Key, read_group_view
 from stream_rl.stages.entry import Instance, add_stage_arguments, open_transport, run_stage_command
 from stream_rl.stages.problem_order import ProblemOrder
 from stream_rl.stages.rollouts import ChatTokenizer, Sampler, sample_seed
@@ -136,16 +136,20 @@ class Actor:
         self._failure: BaseException | None = None
         self._last_commit = 0.0
         self._last_refresh = 0.0
+        self._assigned_since_refresh = False
+        self._view: GroupView | None = None
         self._last_state_log = 0.0
 
     # -- Kafka side --------------------------------------------------------------------------
     async def _refresh(self, force: bool = False) -> None:
         now = time.monotonic()
-        if not force and (self.config.launcher.actors == 1 or now - self._last_refresh < self.cfg.refresh_s):
+        due = now - self._last_refresh >= self.cfg.refresh_s and self.config.launcher.actors > 1
+        if not force and not due and not self._assigned_since_refresh:
             # One actor knows its own commits and dead letters: the view it read at start plus
             # those is exact, and re-reading it cost the broker a few admin requests a second.
             return
         self._last_refresh = now
+        self._assigned_since_refresh = False
         try:
             view = await asyncio.to_thread(
                 read_group_view,
@@ -154,16 +158,19 @@ class Actor:
                 self.dlq_topic,
                 self.group,
                 self.config.launcher.actors,
+                self._view,
             )
         except KafkaError as exc:  # the broker is away: keep the last view (it only moves forward)
             if force:
                 raise
             log.warning("%s: admission view not refreshed: %s", self.actor_id, exc)
             return
+        self._view = view
         self.admission.update_view(view)
 
     def _on_assign(self, partitions: list[TopicPartition]) -> None:
         log.info("%s: partitions %s assigned", self.actor_id, sorted(p for _t, p in partitions))
+        self._assigned_since_refresh = True  # their previous owner's last commits: read them now
 
     def _on_revoke(self, partitions: list[TopicPartition]) -> None:
         """Poll thread: commit what is durable, hand the rest to the loop to cancel."""
@@ -194,7 +201,7 @@ class Actor:
 
     def _dead_letter(self, msg: Message, error: str) -> None:
         self.dead_letters.write(self.producer, msg, error)
-        self.admission.dlq_written()
+        self.admission.dlq_written(msg.partition)
         self.stats.dlq += 1
 
     def _accept(self, msgs: list[Message]) -> None:
@@ -263,6 +270,7 @@ class Actor:
     def _admit(self, wait: bool = True) -> bool:
         admitted = False
         assigned = [p for t, p in self.consumer.assignment() if t == self.topic]
+        self.admission.set_owned(assigned)
         while self._buffer and self.admission.can_admit():
             item = self._buffer.pop(assigned, self._exhausted, wait)
             if item is None:
@@ -305,6 +313,7 @@ class Actor:
         else:
             # All at once, no await in between: a cancellation never splits a group.
             for rollout in rollouts:
+                rollout.problem_partition = msg.partition
                 self.producer.produce(self.out_topic, self.serde.encode(rollout), key=rollout.group_id)
             self.stats.records_out += len(rollouts)
             RECORDS_OUT.labels("actor", self.out_topic).inc(len(rollouts))
@@ -374,8 +383,7 @@ class Actor:
             raise self._failure
 
     def _publish_gauges(self) -> None:
-        resolved = self.admission.resolved or 0
-        IN_FLIGHT.labels(self.actor_id).set(self.admission.admitted_samples() - resolved)
+        IN_FLIGHT.labels(self.actor_id).set(self.admission.in_flight_samples())
         for s in self.pool.servers:
             SERVER_LIVE.labels(self.actor_id, s.url).set(0 if s.dead or s.draining else 1)
         now = time.monotonic()

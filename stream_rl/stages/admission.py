@@ -60,20 +60,24 @@ the trainer has consumed all of them, stepped and published version k + 1 (R onl
 version is published). The next S samples are sampled with version k + 1 and trained by step
 k + 2 with weights k + 1: lag 0, every sample exactly on-policy.
 
-**Several actors** share the bound through Kafka: C and D include the other actors' commits and
-dead letters (re-read every `actor.refresh_s`), and each actor counts the others' uncommitted
-problems as many as its own: `A = g·(C − D) + N·g·U`, N = `launcher.actors`, the actor processes
-the run is configured with (not the live members: asking the broker for them is an admin call that
-a broker restart can turn into a process abort in librdkafka 2.16; a dead actor makes N an
-overestimate, which only admits less). Exact
-for one actor. With N actors A is an estimate: the others' progress is up to `refresh_s` old,
-and two actors may admit in the same instant, so the in-flight samples can exceed B by what the
-others committed since the last refresh, and the lag bound (or conventional mode's exactness)
-holds only up to that overshoot. Measured (README "Scaling during a run"): two actors, about 3
-versions/s, `refresh_s` 2 s, L = 1: samples trained up to 9-11 versions old. An exact bound for
-several actors needs the trainer to publish what it consumed per actor (not built).
-(`straggler_guard` makes no difference here: R moves only once every
-admitted sample, the straggler's included, has been trained.)
+**Several actors** share the bound by the partitions of `problems` they hold. The trainer
+publishes what it consumed per partition (`WeightVersion.consumed_by_partition`: each rollout
+carries the partition its problem came from), so an actor computes A and R over its own
+partitions exactly (their committed offsets are its own commits, read again when a partition is
+assigned to it; their dead letters are counted by the `original.partition` header) and admits
+within its share, `B·owned/P` in whole groups (at least one group; a share below one group makes
+the sum exceed B by the difference). The shares add up to B, so the samples in flight never exceed B, and a sample's **last** tokens are at most L versions old when
+trained (up to the overtaking above): the guarantee `straggler_guard: false` gives. The first
+tokens of a straggler are not bounded across actors: its guard holds its own actor's window, not
+the others' (`tests/unit/test_admission.py` simulates two actors). One actor holding every
+partition admits exactly as the group-wide rule below. A lineage without the per-partition
+counts (started before they existed) keeps the group-wide rule: C and D include the other actors'
+commits and dead letters (re-read every `actor.refresh_s`), each actor counts the others'
+uncommitted problems as many as its own, `A = g·(C − D) + N·g·U` with N = `launcher.actors`, and
+the view's staleness lets a fast run overshoot (measured: two actors, about 3 versions/s, L = 1:
+samples trained up to 9-11 versions old); it is exact for one actor.
+(`straggler_guard` makes no difference to R: it moves only once every admitted sample, the
+straggler's included, has been trained.)
 """
 
 from __future__ import annotations
@@ -109,16 +113,42 @@ class GroupView:
     """Records in `problems.dlq`."""
     members: int
     """Actor processes sharing the bound (`launcher.actors`)."""
+    dlq_by_partition: dict[int, int] | None = None
+    """`problems.dlq` records by the partition of `problems` they came from (their
+    `original.partition` header)."""
 
 
 def read_group_view(
-    transport: Transport, topic: str, dlq_topic: str, group: str, members: int = 1
+    transport: Transport,
+    topic: str,
+    dlq_topic: str,
+    group: str,
+    members: int = 1,
+    previous: GroupView | None = None,
 ) -> GroupView:
-    """The actor group's progress as the broker has it (broker calls: run it off the event loop)."""
+    """The actor group's progress as the broker has it (broker calls: run it off the event loop).
+    The DLQ's records are counted by their partition of origin, read again only when their number
+    changed since `previous`."""
     marks = transport.watermarks(topic)
     committed = transport.group_offsets(group, topic)
     dlq = sum(high for _low, high in transport.watermarks(dlq_topic).values())
-    return GroupView(committed, {p: low for p, (low, _high) in marks.items()}, dlq, members)
+    if previous is not None and previous.dlq == dlq and previous.dlq_by_partition is not None:
+        by = previous.dlq_by_partition
+    else:
+        by = dlq_origins(transport, dlq_topic)
+    return GroupView(committed, {p: low for p, (low, _high) in marks.items()}, dlq, members, by)
+
+
+def dlq_origins(transport: Transport, dlq_topic: str) -> dict[int, int]:
+    """`problems.dlq`'s records by the partition of `problems` they came from (-1: no header)."""
+    from stream_rl.kafka.reader import read_to_end
+
+    out: dict[int, int] = {}
+    for msg in read_to_end(transport, dlq_topic, client_id="actor-dlq-origins"):
+        raw = msg.header("original.partition")
+        p = int(raw) if raw is not None and raw.isdigit() else -1
+        out[p] = out.get(p, 0) + 1
+    return out
 
 
 @dataclass
@@ -138,6 +168,13 @@ class Admission:
     version: int | None = None
     resolved: int | None = None
     members: int = 1
+    by_partition: dict[int, int] | None = None
+    """The latest version's `consumed_by_partition` when every consumed sample is attributed (R per
+    partition); None for a lineage without it (then the group-wide rule applies)."""
+    owned: frozenset[int] | None = None
+    """The partitions of `problems` this actor holds now (`set_owned`)."""
+    _dlq_by: dict[int, int] = field(default_factory=dict)
+    _dlq_own_by: dict[int, int] = field(default_factory=dict)
     _committed: dict[int, int] = field(default_factory=dict)
     _low: dict[int, int] = field(default_factory=dict)
     _dlq_seen: int = 0
@@ -164,6 +201,7 @@ class Admission:
             if self.version is None or wv.version >= self.version:
                 self.version = wv.version
                 self.resolved = max(wv.samples_consumed, self.resolved or 0)
+                self.by_partition = dict(wv.consumed_by_partition) if wv.attributed else None
 
     def update_view(self, view: GroupView) -> None:
         with self._lock:
@@ -172,6 +210,9 @@ class Admission:
             self._low.update(view.low)
             self._dlq_seen = view.dlq
             self._dlq_own = 0
+            if view.dlq_by_partition is not None:
+                self._dlq_by = dict(view.dlq_by_partition)
+                self._dlq_own_by = {}
             self.members = max(view.members, 1)
             self._drop_committed()
 
@@ -186,14 +227,22 @@ class Admission:
         for key in [k for k in self._open if k[1] < self._committed.get(k[0], -1)]:
             del self._open[key]
 
-    def dlq_written(self) -> None:
-        """This actor wrote a problem record to the DLQ."""
+    def dlq_written(self, partition: int | None = None) -> None:
+        """This actor wrote a problem record (of `partition`) to the DLQ."""
         with self._lock:
             self._dlq_own += 1
+            if partition is not None:
+                self._dlq_own_by[partition] = self._dlq_own_by.get(partition, 0) + 1
+
+    def set_owned(self, partitions: Iterable[int]) -> None:
+        """The partitions of `problems` this actor holds now (its share of the bound with several
+        actors)."""
+        with self._lock:
+            self.owned = frozenset(partitions)
 
     def admit(self, key: Key) -> None:
         with self._lock:
-            self._open[key] = _Open(self.resolved or 0)
+            self._open[key] = _Open(self._resolved_now())
 
     def generated(self, key: Key) -> None:
         """The group's samples are produced (or it was dead-lettered): no longer a straggler."""
@@ -217,26 +266,66 @@ class Admission:
         return total
 
     def admitted_samples(self) -> int:
-        """A: samples admitted in the run (an estimate with several actors)."""
+        """A: samples admitted in the run (an estimate with several actors; with R per partition,
+        those of this actor's partitions)."""
         with self._lock:
             return self._admitted()
 
+    def in_flight_samples(self) -> int:
+        """A − R: samples admitted and not resolved (this actor's partitions' with R per partition)."""
+        with self._lock:
+            return self._admitted() - self._resolved_now() if self.resolved is not None else 0
+
+    def _per_partition(self) -> bool:
+        """A lineage that counts R per partition, and known partitions: the actor admits on its own
+        partitions with their share of the bound (module docstring; with every partition, the
+        group-wide rule)."""
+        return self.by_partition is not None and self.owned is not None and bool(self._low)
+
     def _admitted(self) -> int:
+        if self._per_partition():
+            assert self.owned is not None
+            problems = 0
+            for p in self.owned:
+                low = self._low.get(p, 0)
+                committed = max(self._committed.get(p, -1), low) - low
+                problems += committed - self._dlq_by.get(p, 0) - self._dlq_own_by.get(p, 0)
+            opened = sum(1 for k in self._open if k[0] in self.owned)
+            return self.group_size * (problems + opened)
         dlq = self._dlq_seen + self._dlq_own
         return self.group_size * (self._committed_problems() - dlq + self.members * len(self._open))
 
+    def _resolved_now(self) -> int:
+        """R: the run's, or (per partition) the samples of this actor's partitions."""
+        if self._per_partition():
+            assert self.by_partition is not None and self.owned is not None
+            return sum(self.by_partition.get(p, 0) for p in self.owned)
+        return self.resolved or 0
+
+    def _bound(self) -> int:
+        """B, or this actor's share of it: B·owned/P in whole groups (at least one group)."""
+        if not self._per_partition():
+            return self.bound
+        assert self.owned is not None
+        if self.owned >= set(self._low):
+            return self.bound
+        g = self.group_size
+        share = self.bound * len(self.owned) // len(self._low)
+        return max(share // g * g, g)
+
     def _base(self) -> int:
         assert self.resolved is not None
+        resolved = self._resolved_now()
         if not self.straggler_guard:
-            return self.resolved
+            return resolved
         stragglers = [o.resolved_at_admission for o in self._open.values() if o.generating]
-        return min([self.resolved, *stragglers])
+        return min([resolved, *stragglers])
 
     def can_admit(self) -> bool:
         with self._lock:
             if self.resolved is None:
                 return False
-            return self._admitted() + self.group_size <= self._base() + self.bound
+            return self._admitted() + self.group_size <= self._base() + self._bound()
 
     def open_problems(self) -> int:
         with self._lock:
@@ -246,8 +335,13 @@ class Admission:
         with self._lock:
             if self.resolved is None:
                 return "waiting for weight version 0"
+            mode = (
+                f", partitions {sorted(self.owned or ())} of {len(self._low)}"
+                if self._per_partition()
+                else ""
+            )
             return (
-                f"version {self.version}, admitted {self._admitted()} samples, resolved {self.resolved}, "
-                f"window base {self._base()} + bound {self.bound}, {len(self._open)} open problems, "
-                f"{self.members} actor(s)"
+                f"version {self.version}, admitted {self._admitted()} samples, resolved {self._resolved_now()}, "
+                f"window base {self._base()} + bound {self._bound()}, {len(self._open)} open problems, "
+                f"{self.members} actor(s){mode}"
             )

@@ -143,6 +143,7 @@ def training_samples(group: list[ScoredRollout], advantages: list[float]) -> lis
                 reward=s.reward,
                 verdict=s.verdict,
                 finish_reason=r.finish_reason,
+                problem_partition=r.problem_partition,
             )
         )
     return out

@@ -75,6 +75,7 @@ def pack(
     max_tokens: int,
     max_bytes: int,
     num_filtered: int,
+    filtered_by_partition: dict[int, int] | None = None,
     max_samples: int | None = None,
     filtered_keys: list[str],
     encode: Callable[[TrainingBatch], bytes],
@@ -95,5 +96,6 @@ def pack(
             out.append((build([]), b""))
         first = out[0][0]
         first.num_filtered = num_filtered  # a few bytes more: the split's margin covers them
+        first.filtered_by_partition = dict(filtered_by_partition or {})
         out[0] = (first, encode(first))
     return out

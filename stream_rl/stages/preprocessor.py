@@ -204,6 +204,7 @@ class Preprocessor:
         out: list[Output | Reject] = []
         samples: list[TrainingSample] = []
         filtered, filtered_keys = 0, []
+        filtered_by: dict[int, int] = {}  # by problems partition: the trainer's per-partition R
         timed_out = set(expired)
         for p, gid in complete + expired:
             groups = self.parts[p]
@@ -212,6 +213,7 @@ class Preprocessor:
             out.append(self._state(p, gid, groups.closed_record(gid, group.first_seen_ms, now)))
             out.extend(self._state(p, old, None) for old in evicted)
             scored = group.scored()
+            origin = scored[0].rollout.problem_partition if scored else -1
             pending = sorted((ps for _s, ps in group.samples.values()), key=lambda ps: ps.offset)
             if (p, gid) in timed_out:
                 error = (
@@ -222,6 +224,7 @@ class Preprocessor:
                 GROUPS.labels("timed_out").inc()
                 out.extend(self._dead_letter(p, gid, pending, error))
                 filtered += group.group_size
+                filtered_by[origin] = filtered_by.get(origin, 0) + group.group_size
                 filtered_keys.append(gid)
                 continue
             try:
@@ -235,10 +238,12 @@ class Preprocessor:
                 GROUPS.labels("bad").inc()
                 out.extend(self._dead_letter(p, gid, pending, f"group {gid}: advantages: {exc}"))
                 filtered += group.group_size
+                filtered_by[origin] = filtered_by.get(origin, 0) + group.group_size
                 filtered_keys.append(gid)
                 continue
             if self.cfg.filter_zero_advantage and all(a == 0.0 for a in advantages):
                 filtered += len(scored)
+                filtered_by[origin] = filtered_by.get(origin, 0) + len(scored)
                 filtered_keys.append(gid)
                 self.counts["filtered"] += 1
                 self.counts["filtered_samples"] += len(scored)
@@ -255,6 +260,7 @@ class Preprocessor:
             max_samples=self.cfg.max_samples_per_microbatch,
             max_bytes=self.cfg.max_batch_bytes,
             num_filtered=filtered,
+            filtered_by_partition=filtered_by,
             filtered_keys=filtered_keys,
             encode=self.serde.encode,
             run_id=self.config.run,

@@ -218,6 +218,7 @@ class TrainerStage:
             servers_failed=sorted(report.failed) if report else [],
             checkpoint_uri=checkpoint_uri,
             metrics=metrics,
+            consumed_by_partition=dict(sorted(st.consumed_by_partition.items())),
         )
         known = self.history.pop(st.version, None)
         if known is not None:
@@ -293,6 +294,8 @@ class TrainerStage:
         st.tokens_trained += acc.tokens
         st.samples_filtered += acc.samples_filtered
         st.offsets.update(acc.offsets)
+        for p, n in acc.consumed_by_partition.items():
+            st.consumed_by_partition[p] = st.consumed_by_partition.get(p, 0) + n
         self.stats.duplicates += acc.duplicates
         if summary.outcome.skipped:
             self.stats.skipped_steps += 1

@@ -50,6 +50,9 @@ class TrainerState:
     samples_filtered: int = 0
     offsets: dict[TopicPartition, int] = field(default_factory=dict)
     checksum: str = ""
+    consumed_by_partition: dict[int, int] = field(default_factory=dict)
+    """Samples consumed by problems partition (`WeightVersion.consumed_by_partition`); empty in a
+    checkpoint written before it existed (then admission keeps its group-wide rule)."""
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -59,7 +62,8 @@ class TrainerState:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TrainerState:
         offsets = {(o["topic"], int(o["partition"])): int(o["offset"]) for o in d.get("offsets", [])}
-        return cls(**{**d, "offsets": offsets})
+        by = {int(p): int(n) for p, n in (d.get("consumed_by_partition") or {}).items()}
+        return cls(**{**d, "offsets": offsets, "consumed_by_partition": by})
 
 
 def checkpoint_root(config: RunConfig) -> Path:

@@ -64,6 +64,8 @@ class StepAccumulator:
     """Trained groups of samples whose loss was not finite (not back-propagated)."""
     offsets: dict[TopicPartition, int] = field(default_factory=dict)
     """Next offsets to consume after this step's records (decoded or sent to the DLQ)."""
+    consumed_by_partition: dict[int, int] = field(default_factory=dict)
+    """`consumed` by the problems partition of the samples (-1: not known): admission's per-partition R."""
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -132,6 +134,12 @@ class StepRunner:
             return []
         batch = kept
         acc.samples_filtered += batch.num_filtered
+        by = acc.consumed_by_partition
+        filtered = batch.filtered_by_partition or ({-1: batch.num_filtered} if batch.num_filtered else {})
+        for p, n in filtered.items():
+            by[p] = by.get(p, 0) + n
+        for sample in batch.samples:
+            by[sample.problem_partition] = by.get(sample.problem_partition, 0) + 1
         if not batch.samples:
             return []
         acc.micro_batches += 1

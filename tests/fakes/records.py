@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import struct
 
@@ -212,10 +213,10 @@ def examples() -> list[object]:
     """One of each contract."""
     return [
         make_problem(3),
-        make_rollout(3, 1, versions=(2, 3)),
+        dataclasses.replace(make_rollout(3, 1, versions=(2, 3)), problem_partition=1),
         make_scored(3, 1),
-        make_batch(),
-        make_weight_version(2),
+        dataclasses.replace(make_batch(), num_filtered=4, filtered_by_partition={2: 4}),
+        dataclasses.replace(make_weight_version(2), consumed_by_partition={0: 3, 1: 5}),
         make_partial_group(3),
         make_eval_result(),
         make_membership(),

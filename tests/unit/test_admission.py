@@ -186,3 +186,81 @@ def test_a_ten_times_longer_straggler(guard: bool) -> None:
         assert occupancy > 0.8  # the window moves on while stragglers generate
         assert sum(lag > L for lag in first_lags) / len(first_lags) < 0.15  # stragglers only
     assert v > 100
+
+
+@pytest.mark.parametrize("max_lag", [1, 2])
+def test_two_actors_share_the_bound_by_their_partitions(max_lag: int) -> None:
+    """Two actors, two partitions of `problems` each, that never see each other's commits (the
+    group-wide view is only refreshed every `refresh_s`): with R per partition from the trainer
+    (`WeightVersion.consumed_by_partition`) each admits within its share, so the samples in flight
+    never exceed B and every sample's *last* token is at most L versions old when trained (its
+    version when it finished generating). Its first token is not bounded: one actor's straggler
+    does not hold the other actor's window (the guard is per actor), as with `straggler_guard:
+    false` (module docstring)."""
+    S, g, parts = 16, 4, {"a": (0, 1), "b": (2, 3)}
+    rng = random.Random(max_lag)
+    actors = {}
+    for name, owned in parts.items():
+        adm = Admission.for_config("pipeline", max_lag, S, g)
+        adm.update_view(
+            GroupView(committed={}, low=dict.fromkeys(range(4), 0), dlq=0, members=2, dlq_by_partition={})
+        )
+        adm.set_owned(owned)
+        actors[name] = adm
+    v, consumed, by_partition = 0, 0, dict.fromkeys(range(4), 0)
+
+    def publish() -> None:
+        wv = replace(version(v, consumed), consumed_by_partition=dict(by_partition))
+        assert wv.attributed
+        for adm in actors.values():
+            adm.observe(wv)
+
+    publish()
+    generating: dict[tuple[str, int, int], tuple[int, int]] = {}  # (actor, p, offset) -> (done at, version)
+    next_offset = dict.fromkeys(range(4), 0)
+    queue: list[tuple[int, int]] = []  # (sampled version, partition) of samples waiting for the trainer
+    lags, in_flight = [], []
+    for t in range(3000):
+        for name, adm in actors.items():
+            while adm.can_admit():
+                p = min(parts[name], key=lambda q: next_offset[q])
+                adm.admit((p, next_offset[p]))
+                generating[(name, p, next_offset[p])] = (t + rng.randint(1, 40), v)
+                next_offset[p] += 1
+        for key, (done_at, _sampled) in sorted(generating.items(), key=lambda kv: kv[1][0]):
+            if done_at <= t:
+                del generating[key]
+                actors[key[0]].generated(key[1:])
+                queue.extend([(v, key[1])] * g)  # its last token: sampled with the newest weights
+        for name, adm in actors.items():
+            adm.on_commit(
+                {
+                    p: min((o for (n, q, o) in generating if n == name and q == p), default=next_offset[p])
+                    for p in parts[name]
+                }
+            )
+        in_flight.append(sum(next_offset.values()) * g - consumed)
+        while len(queue) >= S:
+            batch, queue = queue[:S], queue[S:]
+            lags.extend(v - sampled for sampled, _p in batch)
+            for _sampled, p in batch:
+                by_partition[p] += 1
+            consumed += S
+            v += 1
+            publish()
+    bound = admission_bound("pipeline", max_lag, S, g)
+    assert v > 50 and max(in_flight) <= bound and max(lags) <= max_lag, (max(in_flight), max(lags))
+
+
+def test_two_actors_keep_the_group_wide_rule_for_a_lineage_without_partition_counts() -> None:
+    adm = Admission.for_config("pipeline", 1, 8, 4)
+    adm.update_view(
+        GroupView(committed={0: 2, 1: 2}, low={0: 0, 1: 0}, dlq=0, members=2, dlq_by_partition={})
+    )
+    adm.set_owned([0])
+    adm.observe(version(1, 16))  # consumed_by_partition empty: not attributed
+    assert adm.by_partition is None and adm.admitted_samples() == 16  # both partitions' commits
+    adm.observe(replace(version(2, 16), consumed_by_partition={0: 8, 1: 8}))
+    assert adm.admitted_samples() == 8 and adm.in_flight_samples() == 0  # partition 0 only
+    adm.dlq_written(0)
+    assert adm.admitted_samples() == 4  # a dead-lettered problem yields no samples

@@ -185,3 +185,26 @@ def test_the_bound_covers_two_optimizer_steps() -> None:
     assert pre.bound() == 4
     pre.counts.update(offsets=10, samples=40)  # 4 samples per offset: 16 offsets per step
     assert pre.bound() == 32
+
+
+def test_samples_and_filtered_counts_carry_the_problems_partition() -> None:
+    """What the trainer counts per partition (`consumed_by_partition`, admission's R with several
+    actors): each sample keeps its rollout's `problem_partition`, filtered samples are counted by it."""
+    t = transport()
+    # group 0 (partition 3) learns something; group 1 (partition 1) is all equal: filtered.
+    records = [
+        replace(
+            s,
+            rollout=replace(
+                s.rollout, problem_partition=3 if s.rollout.problem.problem_id.endswith("0") else 1
+            ),
+        )
+        for s in groups(2, rewards=lambda i, k: float(k == 0) if i == 0 else 1.0)
+    ]
+    assert {s.rollout.problem_partition for s in records} == {1, 3}
+    produce(t, records)
+    preprocessor.run(make_config(filter_zero_advantage=True), transport=t, max_records=8, idle_timeout_s=2)
+    samples, batches = trained(t)
+    assert {s.problem_partition for s in samples} == {3} and len(samples) == 4
+    assert sum(b.num_filtered for b in batches) == 4
+    assert [b.filtered_by_partition for b in batches if b.num_filtered] == [{1: 4}]

@@ -292,3 +292,38 @@ def test_a_start_waits_for_the_configured_servers_not_for_gone_joined_ones() -> 
     configured = Half()
     connect_servers(configured, 0.05, StopFlag(), retry_s=0.01)
     assert configured.calls > 1  # a configured server is asked until the timeout
+
+
+def test_versions_count_what_was_consumed_per_problems_partition(tmp_path: Path, model_dir: Path) -> None:
+    """Admission's R per partition with several actors (`WeightVersion.consumed_by_partition`):
+    trained samples by their `problem_partition`, filtered ones by the batch's counts; a checkpoint
+    keeps the totals across a restart."""
+    from dataclasses import replace
+
+    batches = make_batches(6, 2, seed=3)
+    batches = [
+        replace(
+            b,
+            samples=[replace(s, problem_partition=i % 2) for s in b.samples],
+            num_filtered=1,
+            filtered_by_partition={2: 1},
+        )
+        for i, b in enumerate(batches)
+    ]
+    transport = MemoryTransport()
+    names = setup_topics(transport, "r1", batches)
+    for steps in (2, 3):  # the second start resumes from the first's checkpoint
+        trainer_stage.run(
+            make_config(tmp_path, model_dir, max_steps=steps),
+            transport,
+            pusher=FakePusher(),
+            idle_timeout_s=0.5,
+        )
+    wvs = {w.version: w for w in versions(transport, names)}
+    assert sorted(wvs) == [0, 1, 2, 3]
+    for w in wvs.values():
+        assert w.attributed and sum(w.consumed_by_partition.values()) == w.samples_consumed
+    assert wvs[0].consumed_by_partition == {}
+    last = wvs[3]
+    assert last.consumed_by_partition[2] == last.samples_filtered and last.consumed_by_partition[0] > 0
+    assert last.consumed_by_partition[0] + last.consumed_by_partition[1] == last.samples_trained
