@@ -7,8 +7,9 @@ anything, applies them and answers in `runs/<run>/scale-result.json` (`{"id", "l
 which the command prints (exit 2 with the error, nothing changed). What the launcher does:
 
 - **verifier, preprocessor**: starts instances `<role>-<i>` (the next indices; they join their
-  consumer group) or stops the highest ones with SIGTERM (a clean drain; their partitions pass to
-  the others when their static-member session expires: README "Scaling during a run").
+  consumer group) or stops the highest ones with SIGTERM (a clean drain), then removes the stopped
+  static member from its group so that its partitions are reassigned at once
+  (`stream_rl.kafka.members`; on a secured cluster they move when its session expires).
 - **actor**: the same; actors share the staleness bound by the partitions of `problems` they
   hold (`stream_rl.stages.admission`), so any number works (more actors than partitions idle).
   A run whose lineage began before the per-partition counts is held to `launcher.actors`.
@@ -267,6 +268,22 @@ class Scaling:
         code = self._terminate(child)
         self.children.remove(child)
         say(f"stopped {child.name} (exit {code})")
+        if child.role in ("actor", "verifier", "preprocessor"):
+            self._leave_group(child, say)
+
+    def _leave_group(self, child: Child, say: Any) -> None:
+        """A stopped replica is a static member that did not leave: remove it, so that its
+        partitions are reassigned now (`stream_rl.kafka.members`)."""
+        from stream_rl.kafka.members import remove_static_members
+        from stream_rl.kafka.topics import TopicNames
+
+        names = TopicNames(run=self.config.run, prefix=self.config.kafka.prefix)
+        member = f"{self.config.kafka.prefix}.{self.config.run}.{child.role}.{_index(child)}"
+        ok, what = remove_static_members(self.config.kafka, self.bootstrap, names.group(child.role), [member])
+        if ok:
+            say(f"{child.name}: static member removed from its group: its partitions are reassigned now")
+        else:
+            say(f"{child.name}: static member kept ({what}): its partitions move when its session expires")
 
     @staticmethod
     def _terminate(child: Child) -> int | None:

@@ -138,6 +138,8 @@ class Actor:
         self._last_refresh = 0.0
         self._assigned_since_refresh = False
         self._view: GroupView | None = None
+        self._fresh: deque[TopicPartition] = deque()
+        """Partitions assigned by the poll thread, to resume in the loop (`_flow`)."""
         self._last_state_log = 0.0
 
     # -- Kafka side --------------------------------------------------------------------------
@@ -171,6 +173,7 @@ class Actor:
     def _on_assign(self, partitions: list[TopicPartition]) -> None:
         log.info("%s: partitions %s assigned", self.actor_id, sorted(p for _t, p in partitions))
         self._assigned_since_refresh = True  # their previous owner's last commits: read them now
+        self._fresh.extend(partitions)  # resumed by `_flow` (see there)
 
     def _on_revoke(self, partitions: list[TopicPartition]) -> None:
         """Poll thread: commit what is durable, hand the rest to the loop to cancel."""
@@ -260,7 +263,15 @@ class Actor:
         return end >= 0 and self.consumer.position().get(tp, 0) >= end
 
     def _flow(self) -> None:
-        """Pause the partitions whose FIFO is full, resume the others."""
+        """Pause the partitions whose FIFO is full, resume the others. A partition paused when it
+        was revoked stays paused in librdkafka when it is assigned again (seen: an actor that got
+        back a partition a stopped actor had held waited for it for good), so every partition
+        assigned since the last call is resumed first."""
+        fresh = set()
+        while self._fresh:
+            fresh.add(self._fresh.popleft())
+        if fresh:
+            self.consumer.resume(sorted(fresh - self._paused))
         full = {(self.topic, p) for p in self._buffer.full()}
         if full != self._paused:
             self.consumer.resume(sorted(self._paused - full))

@@ -184,6 +184,7 @@ def test_the_commands_did_what_they_say(elastic: dict[str, Any]) -> None:
     assert re.search(r"holds version \d+, the newest", outs["join"]), outs["join"]
     up = outs["scale_up"]
     assert "stopped actor-1 (exit 0)" in up and "started verifier-1" in up, up
+    assert "actor-1: static member removed from its group" in up, up
     assert f"started server-1 at {elastic['scaled_url']}: it holds the newest version" in up, up
     assert "drained in" in outs["leave"] and "stopped server-1" in outs["scale_down"], outs
     versions = sorted({wv["version"] for wv in elastic["weight-versions"]})
@@ -222,6 +223,31 @@ def test_a_joining_server_gets_the_current_version_before_its_first_routed_reque
     assert while_member and all(updated[v] for v in while_member), updated
     after = [v for v in updated if v > elastic["left"]]
     assert after and not any(updated[v] for v in after), updated
+
+
+def test_a_stopped_actors_partitions_go_to_the_other_at_once(elastic: dict[str, Any]) -> None:
+    """`scale actor=1` removes the stopped static member: actor-0 takes its partitions now, not when
+    its session (120 s by default, longer than the rest of this run) expires."""
+    rollouts = [r for _p, _o, r in elastic["raw-rollouts"]]
+    gone = [r for r in rollouts if r["actor_id"] == "actor-1"]
+    assert gone, "actor-1 never sampled"
+    its = {r["problem_partition"] for r in gone}
+    last = max(r["finished_ms"] for r in gone)
+    taken = [
+        r["started_ms"]
+        for r in rollouts
+        if r["actor_id"] == "actor-0" and r["problem_partition"] in its and r["started_ms"] > last
+    ]
+    assert taken, f"actor-0 never sampled actor-1's partitions {its} after it stopped"
+    print(
+        json.dumps(
+            {
+                "seconds from actor-1's last rollout to actor-0 sampling its partitions": round(
+                    (min(taken) - last) / 1000, 1
+                )
+            }
+        )
+    )
 
 
 def test_nothing_lost_or_trained_twice_while_servers_and_consumers_come_and_go(
