@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from stream_rl.cli import add_common
-from stream_rl.config import RunConfig, load_config
+from stream_rl.config import RunConfig
 from stream_rl.config.inference import normalize_url
 from stream_rl.contracts import MembershipState, ServerMembership
 from stream_rl.errors import ConfigError, InferenceError
@@ -59,13 +59,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _who() -> str:
     return f"stream-rl servers on {socket.gethostname()}"
-
-
-def _config(args: argparse.Namespace) -> RunConfig:
-    overrides = list(args.overrides)
-    if args.bootstrap:
-        overrides.append(f"kafka.bootstrap={args.bootstrap}")
-    return load_config(args.config, overrides)
 
 
 def _transport(config: RunConfig) -> tuple[Transport, TopicNames]:
@@ -227,7 +220,9 @@ def listing(config: RunConfig) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    config = _config(args)
+    from stream_rl.stages.entry import stage_config
+
+    config = stage_config(args)  # --bootstrap folded in
     if args.action == "list":
         if args.url or args.engine:
             raise ConfigError("servers list takes no --url or --engine")

@@ -51,16 +51,16 @@ from stream_rl.contracts import Problem, Rollout, ServerMembership
 from stream_rl.errors import ContractError, KafkaError
 from stream_rl.kafka.dead_letters import DeadLetters
 from stream_rl.kafka.follower import VersionFollower
-from stream_rl.kafka.membership import follow_members, latest_per_url, read_members
+from stream_rl.kafka.membership import follow_members, read_members
 from stream_rl.kafka.offsets import OffsetTracker
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.stage import StageStats, StopFlag
 from stream_rl.kafka.topics import PROBLEMS, RAW_ROLLOUTS, TopicNames
 from stream_rl.kafka.transport import Message, TopicPartition, Transport
 from stream_rl.metrics import DUPLICATES, RECORDS_IN, RECORDS_OUT
-from stream_rl.stages.admission import Admission, GroupView, Key, read_group_view
+from stream_rl.stages.admission import Admission, Key, ViewRefresh
 from stream_rl.stages.entry import Instance, add_stage_arguments, open_transport, run_stage_command
-from stream_rl.stages.problem_order import ProblemOrder
+from stream_rl.stages.problem_order import PartitionFlow, ProblemOrder
 from stream_rl.stages.rollouts import ChatTokenizer, Sampler, sample_seed
 from stream_rl.stages.routing import (
     ClientFactory,
@@ -127,7 +127,7 @@ class Actor:
         self.tracker = OffsetTracker()
         self.stats = StageStats()
         self._buffer = ProblemOrder(POLL_BATCH // 2)
-        self._paused: set[TopicPartition] = set()
+        self._flow = PartitionFlow(self.topic)
         self._seen = RecentKeys(SEEN_WINDOW)
         """(problem_id, epoch) -> where it was taken, of the last SEEN_WINDOW problems (fixed memory)."""
         self._tasks: dict[Key, asyncio.Task[None]] = {}
@@ -135,45 +135,28 @@ class Actor:
         self._revoked: deque[list[TopicPartition]] = deque()
         self._failure: BaseException | None = None
         self._last_commit = 0.0
-        self._last_refresh = 0.0
-        self._assigned_since_refresh = False
-        self._view: GroupView | None = None
-        self._fresh: deque[TopicPartition] = deque()
-        """Partitions assigned by the poll thread, to resume in the loop (`_flow`)."""
+        self.views = ViewRefresh(
+            transport, self.topic, self.dlq_topic, self.group, config.launcher.actors, self.cfg.refresh_s
+        )
         self._last_state_log = 0.0
 
     # -- Kafka side --------------------------------------------------------------------------
     async def _refresh(self, force: bool = False) -> None:
-        now = time.monotonic()
-        due = now - self._last_refresh >= self.cfg.refresh_s and self.config.launcher.actors > 1
-        if not force and not due and not self._assigned_since_refresh:
-            # One actor knows its own commits and dead letters: the view it read at start plus
-            # those is exact, and re-reading it cost the broker a few admin requests a second.
+        if not self.views.due(force):
             return
-        self._last_refresh = now
-        self._assigned_since_refresh = False
         try:
-            view = await asyncio.to_thread(
-                read_group_view,
-                self.transport,
-                self.topic,
-                self.dlq_topic,
-                self.group,
-                self.config.launcher.actors,
-                self._view,
-            )
+            view = await asyncio.to_thread(self.views.read)
         except KafkaError as exc:  # the broker is away: keep the last view (it only moves forward)
             if force:
                 raise
             log.warning("%s: admission view not refreshed: %s", self.actor_id, exc)
             return
-        self._view = view
         self.admission.update_view(view)
 
     def _on_assign(self, partitions: list[TopicPartition]) -> None:
         log.info("%s: partitions %s assigned", self.actor_id, sorted(p for _t, p in partitions))
-        self._assigned_since_refresh = True  # their previous owner's last commits: read them now
-        self._fresh.extend(partitions)  # resumed by `_flow` (see there)
+        self.views.assigned = True  # their previous owner's last commits: read them now
+        self._flow.assigned(partitions)
 
     def _on_revoke(self, partitions: list[TopicPartition]) -> None:
         """Poll thread: commit what is durable, hand the rest to the loop to cancel."""
@@ -191,7 +174,7 @@ class Actor:
         while self._revoked:
             parts = {p for _t, p in self._revoked.popleft()}
             self._buffer.drop(parts)
-            self._paused -= {(self.topic, p) for p in parts}
+            self._flow.revoked(parts)
             for key in [k for k in self._tasks if k[0] in parts]:
                 self._tasks[key].cancel()
             self._done = [m for m in self._done if m.partition not in parts]
@@ -261,22 +244,6 @@ class Actor:
         tp = (self.topic, partition)
         end = self.consumer.end_offset(tp)
         return end >= 0 and self.consumer.position().get(tp, 0) >= end
-
-    def _flow(self) -> None:
-        """Pause the partitions whose FIFO is full, resume the others. A partition paused when it
-        was revoked stays paused in librdkafka when it is assigned again (seen: an actor that got
-        back a partition a stopped actor had held waited for it for good), so every partition
-        assigned since the last call is resumed first."""
-        fresh = set()
-        while self._fresh:
-            fresh.add(self._fresh.popleft())
-        if fresh:
-            self.consumer.resume(sorted(fresh - self._paused))
-        full = {(self.topic, p) for p in self._buffer.full()}
-        if full != self._paused:
-            self.consumer.resume(sorted(self._paused - full))
-            self.consumer.pause(sorted(full - self._paused))
-            self._paused = full
 
     def _admit(self, wait: bool = True) -> bool:
         admitted = False
@@ -365,20 +332,10 @@ class Actor:
 
     def _apply_members(self, records: list[ServerMembership]) -> None:
         """Servers that joined or are leaving the run (module docstring)."""
-        for m in latest_per_url(records).values():
-            if m.routable:
-                if self.pool.find(m.url) is None:
-                    self._engines[m.url] = m.engine
-                    self.pool.add(m.url, self._factory(m.url))
-                    log.info(
-                        "%s: server %s joined the run: routed to once it holds the newest version",
-                        self.actor_id,
-                        m.url,
-                    )
-                else:
-                    self.pool.add(m.url, None)  # back from draining, if it was
-            elif self.pool.drain(m.url):
-                SERVER_LIVE.labels(self.actor_id, m.url).set(0)
+        for m in records:
+            self._engines.setdefault(m.url, m.engine)
+        for url in self.pool.apply_members(records, self._factory):
+            SERVER_LIVE.labels(self.actor_id, url).set(0)
 
     def _observe_version(self) -> None:
         latest = self.follower.latest
@@ -422,7 +379,7 @@ class Actor:
             progressed = False
             # Polling also serves rebalances, so it goes on while problems wait for admission; full
             # partitions are paused, so it fetches the partitions whose head is missing.
-            self._flow()
+            self._flow.apply(self.consumer, self._buffer)  # full partitions paused
             if not exhausted:
                 want = (
                     POLL_BATCH

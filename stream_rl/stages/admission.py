@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -137,6 +138,33 @@ def read_group_view(
     else:
         by = dlq_origins(transport, dlq_topic)
     return GroupView(committed, {p: low for p, (low, _high) in marks.items()}, dlq, members, by)
+
+
+class ViewRefresh:
+    """When an actor re-reads the group view (`read_group_view`) into its `Admission`: at start,
+    after a partition is assigned to it (its previous owner's last commits), and every
+    `refresh_s` with several actors (one actor knows its own commits and dead letters: the view it
+    read at start plus those is exact, and re-reading it costs the broker a few admin requests)."""
+
+    def __init__(
+        self, transport: Transport, topic: str, dlq_topic: str, group: str, members: int, refresh_s: float
+    ) -> None:
+        self.args = (transport, topic, dlq_topic, group, members)
+        self.members, self.refresh_s = members, refresh_s
+        self.view: GroupView | None = None
+        self.assigned = False
+        """Set (from the poll thread) when partitions are assigned."""
+        self._last = 0.0
+
+    def due(self, force: bool = False) -> bool:
+        now = time.monotonic()
+        return force or self.assigned or (self.members > 1 and now - self._last >= self.refresh_s)
+
+    def read(self) -> GroupView:
+        """Read the view (broker calls: off the event loop)."""
+        self._last, self.assigned = time.monotonic(), False
+        self.view = read_group_view(*self.args, previous=self.view)
+        return self.view
 
 
 def dlq_origins(transport: Transport, dlq_topic: str) -> dict[int, int]:

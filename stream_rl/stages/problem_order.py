@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from stream_rl.contracts import Problem
-from stream_rl.kafka.transport import Message
+from stream_rl.kafka.transport import Consumer, Message, TopicPartition
 
 SEQ_HEADER = "seq"
 NO_SEQ = 1 << 62
@@ -90,3 +90,35 @@ class ProblemOrder:
         msg, problem = self._queues[p].popleft()
         self._order.pop((msg.partition, msg.offset), None)
         return msg, problem
+
+
+class PartitionFlow:
+    """Which partitions of `problems` the actor's consumer fetches: those whose FIFO in
+    `ProblemOrder` is full are paused, the others resumed. A partition paused when it was revoked
+    stays paused in librdkafka when it is assigned again (seen: an actor given back a partition a
+    stopped actor had held waited for it for good), so every partition assigned since the last
+    `apply` is resumed first."""
+
+    def __init__(self, topic: str) -> None:
+        self.topic = topic
+        self.paused: set[TopicPartition] = set()
+        self._fresh: deque[TopicPartition] = deque()
+
+    def assigned(self, partitions: Iterable[TopicPartition]) -> None:
+        """Poll thread: partitions just assigned (resumed by the next `apply`)."""
+        self._fresh.extend(partitions)
+
+    def revoked(self, partitions: Iterable[int]) -> None:
+        self.paused -= {(self.topic, p) for p in partitions}
+
+    def apply(self, consumer: Consumer, order: ProblemOrder) -> None:
+        fresh = set()
+        while self._fresh:
+            fresh.add(self._fresh.popleft())
+        if fresh:
+            consumer.resume(sorted(fresh - self.paused))
+        full = {(self.topic, p) for p in order.full()}
+        if full != self.paused:
+            consumer.resume(sorted(self.paused - full))
+            consumer.pause(sorted(full - self.paused))
+            self.paused = full

@@ -44,11 +44,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from stream_rl.config import RunConfig
+from stream_rl.contracts import ServerMembership
 from stream_rl.errors import BadRequestError, ConfigError, InferenceError, StreamRLError
 
 log = logging.getLogger(__name__)
@@ -259,6 +260,28 @@ class ServerPool:
         )
         self._forget_if_drained(server)
         return True
+
+    def apply_members(
+        self, records: Iterable[ServerMembership], make_client: Callable[[str], Any]
+    ) -> list[str]:
+        """The `servers` records read since the last call (the latest per url counts): joined ones
+        are added (`make_client(url)` for a new one; a draining one is taken back), the others
+        drained. Returns the urls that began draining."""
+        from stream_rl.kafka.membership import latest_per_url
+
+        drained = []
+        for m in latest_per_url(records).values():
+            if not m.routable:
+                if self.drain(m.url):
+                    drained.append(m.url)
+            elif self.find(m.url) is not None:
+                self.add(m.url, None)  # back from draining, if it was
+            else:
+                self.add(m.url, make_client(m.url))
+                log.info(
+                    "inference server %s joined the run: routed to once it holds the newest version", m.url
+                )
+        return drained
 
     def _forget_if_drained(self, server: Server) -> None:
         if not server.draining or server.in_flight > 0 or server.gone:

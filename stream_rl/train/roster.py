@@ -24,11 +24,8 @@ class Roster:
         self.config = config
         self.pusher = pusher
         self.servers: dict[str, ServerConfig] = {s.url: s for s in config.inference.server_list()}
-        self.joined = 0
-        """Servers added by a `joined` record (not the configured ones)."""
         self.from_topic: set[str] = set()
         """The servers in `servers` that came from a `joined` record."""
-        self.left = 0
 
     def urls(self) -> list[str]:
         return list(self.servers)
@@ -45,7 +42,6 @@ class Roster:
                 server = ServerConfig.model_validate({"url": m.url, "engine": m.engine})
                 self.servers[server.url] = server
                 self.pusher = add_server(self.config, self.pusher, server)
-                self.joined += 1
                 self.from_topic.add(server.url)
                 added.append(server.url)
                 log.info("server %s (%s) joined the run: joining it to the weight sync", m.url, m.engine)
@@ -54,6 +50,5 @@ class Roster:
                 self.from_topic.discard(m.url)
                 if self.pusher is not None:
                     self.pusher.forget(m.url)
-                self.left += 1
                 log.info("server %s is %s: no more weights are pushed to it", m.url, m.state.value)
         return added
