@@ -32,7 +32,7 @@ from transformers import GenerationConfig
 
 from stream_rl.inference.engine import Engine
 from stream_rl.inference.model_maker import make_model
-from stream_rl.inference.sequence import SamplingParams
+from stream_rl.inference.requests import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "engine_throughput.json"
 

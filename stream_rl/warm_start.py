@@ -204,7 +204,7 @@ def evaluate(
     """(sampled accuracy at T=1, greedy accuracy) on `n` of the task's problems, with the engine
     (`max_tokens` per completion: leave room for the task's longest answer)."""
     from stream_rl.inference.engine import Engine
-    from stream_rl.inference.sequence import SamplingParams
+    from stream_rl.inference.requests import SamplingParams
 
     problems = task.load_problems("warm-start-eval", seed + 1)[:n]
     engine = Engine.load(model_dir)

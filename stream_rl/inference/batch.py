@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from stream_rl.inference.kv import SlotCache
+from stream_rl.inference.requests import Request
 from stream_rl.inference.sampling import BatchSampling, sample
-from stream_rl.inference.sequence import Request, Sequence
+from stream_rl.inference.sequence import Sequence
 
 
 def eos_ids_of(model: Any, tokenizer: Any) -> frozenset[int]:

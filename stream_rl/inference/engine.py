@@ -47,7 +47,7 @@ import torch
 from stream_rl.errors import InferenceError
 from stream_rl.inference.batch import Batch
 from stream_rl.inference.parameters import DTYPES, ParameterTable
-from stream_rl.inference.sequence import Request, RequestResult, SamplingParams
+from stream_rl.inference.requests import Request, RequestResult, SamplingParams
 
 logger = logging.getLogger(__name__)
 

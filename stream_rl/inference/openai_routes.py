@@ -41,7 +41,7 @@ from stream_rl.inference.protocol import (
     TopLogprob,
     Usage,
 )
-from stream_rl.inference.sequence import RequestResult, SamplingParams, SequenceResult
+from stream_rl.inference.requests import RequestResult, SamplingParams, SequenceResult
 
 logger = logging.getLogger(__name__)
 router = APIRouter()

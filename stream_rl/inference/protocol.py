@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from stream_rl.contracts.core import VersionSpan
-from stream_rl.inference.sequence import SamplingParams
+from stream_rl.inference.requests import SamplingParams
 
 MAX_STOP = 8  # stop strings per request
 

@@ -56,8 +56,9 @@ def fail(what: str, exc: ck.KafkaException) -> KafkaError:
     return KafkaError(f"{what}: {exc.args[0] if exc.args else exc}")
 
 
-BOUNDED_GRACE_S = 15.0
-"""How long past its own timeout a librdkafka call is waited for before it is abandoned."""
+BOUNDED_GRACE_S = 5.0
+"""How long past its own timeout a librdkafka call is waited for before it is abandoned (a call
+that honours its timeout returns at it)."""
 
 
 class Wedged(KafkaError):

@@ -28,6 +28,13 @@ from stream_rl.kafka.transport import Headers, TopicPartition
 
 log = logging.getLogger("stream_rl.kafka.client")  # the name from before the split: log filters keep working
 
+TRANSACTION_CALL_S = 10.0
+"""One try of a transaction step (send_offsets, commit, abort): a timed-out try is retried through
+an outage (`kafka.outage_timeout_s`), and a try that has not returned `BOUNDED_GRACE_S` after
+this wedges the producer (librdkafka#5456: send_offsets_to_transaction can ignore its timeout
+right after a broker restart), so the stage is restarted within 15 s of that instead of 45 s.
+Such a step takes milliseconds when the broker answers."""
+
 
 def _headers(headers: Headers | None) -> list[tuple[str, bytes]] | None:
     if not headers:
@@ -161,7 +168,7 @@ class KafkaProducer:
                 raise fail(what, exc) from exc
 
     def send_offsets_to_transaction(
-        self, offsets: Mapping[TopicPartition, int], group_metadata: Any, timeout: float = 30.0
+        self, offsets: Mapping[TopicPartition, int], group_metadata: Any, timeout: float = TRANSACTION_CALL_S
     ) -> None:
         tps = [ck.TopicPartition(t, p, o) for (t, p), o in offsets.items()]
         self._transaction_step(
@@ -170,11 +177,11 @@ class KafkaProducer:
             timeout,
         )
 
-    def commit_transaction(self, timeout: float = 30.0) -> None:
+    def commit_transaction(self, timeout: float = TRANSACTION_CALL_S) -> None:
         self._transaction_step("commit_transaction", self._p.commit_transaction, timeout)
         self._errors.clear()
 
-    def abort_transaction(self, timeout: float = 30.0) -> None:
+    def abort_transaction(self, timeout: float = TRANSACTION_CALL_S) -> None:
         if self._wedged:
             raise Wedged("abort_transaction: the producer is wedged (an abandoned call); restart the stage")
 

@@ -28,7 +28,7 @@ from cuda_helpers import DEVICE, TimedEngine, Worker, cuda_or_skip, longest_gap,
 from fakes.server_thread import ServerThread, random_weights
 
 from stream_rl.inference.model_maker import make_model
-from stream_rl.inference.sequence import SamplingParams
+from stream_rl.inference.requests import SamplingParams
 
 pytestmark = pytest.mark.gpu
 TOKEN = "gpu-test"

@@ -16,7 +16,7 @@ from stream_rl.contracts import VersionSpan
 from stream_rl.errors import InferenceError
 from stream_rl.inference.engine import Engine
 from stream_rl.inference.model_maker import make_model
-from stream_rl.inference.sequence import SamplingParams
+from stream_rl.inference.requests import SamplingParams
 
 pytestmark = pytest.mark.unit
 

@@ -14,9 +14,10 @@ import torch
 from fakes.server_thread import ServerThread, load_weights, random_weights
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from stream_rl.contracts.core import VersionSpan
 from stream_rl.inference.engine import ContextLengthError, Engine
 from stream_rl.inference.model_maker import make_model
-from stream_rl.inference.sequence import SamplingParams, VersionSpan
+from stream_rl.inference.requests import SamplingParams
 
 pytestmark = pytest.mark.unit
 

@@ -240,3 +240,20 @@ def test_the_guard_checks_the_token_and_resumes_a_pause_nobody_ended(monkeypatch
             assert engine.resumed == 2  # the resume disarmed the lease: no second resume by it
 
     asyncio.run(main())
+
+
+def test_the_actor_and_its_clients_do_not_import_torch() -> None:
+    """The actor only talks HTTP to servers: its modules, every engine's client and the response
+    types they parse into load without torch (which costs a stage process ~3 s of CPU to import;
+    the request and result types live apart from the engine's running sequences for that)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import stream_rl.stages.actor, stream_rl.inference.clients, stream_rl.inference.protocol\n"
+        "import stream_rl.inference.vllm_client, stream_rl.inference.sglang_client\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

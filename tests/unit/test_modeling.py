@@ -15,7 +15,7 @@ from stream_rl.config import TrainerConfig
 from stream_rl.errors import ConfigError, InferenceError
 from stream_rl.inference.engine import Engine
 from stream_rl.inference.model_maker import make_model
-from stream_rl.inference.sequence import SamplingParams
+from stream_rl.inference.requests import SamplingParams
 from stream_rl.modeling import enable_gradient_checkpointing, untied_head_name
 from stream_rl.train.rows import pack_samples
 from stream_rl.train.step import PolicyTrainer, completion_logits, configure_determinism, load_model
