@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from stream_rl.errors import BrokerError
+from stream_rl.kafka.class_archive import ClassArchive
 from stream_rl.kafka.listener import SaslSslListener
 
 KAFKA_VERSION = "4.3.1"
@@ -218,6 +219,8 @@ class BrokerState:
     host: str
     version: str
     started_at: float
+    class_archive: str = ""
+    """The file this broker dumps its classes into at exit (`ClassArchive`), "" if none."""
 
     @property
     def bootstrap(self) -> str:
@@ -293,6 +296,9 @@ class LocalBroker:
         log4j = DEPLOY_DIR / "log4j2.properties"
         return [java, *JVM_OPTS, f"-Dlog4j2.configurationFile={log4j}", "-cp", f"{jars_dir(self.version)}/*"]
 
+    def _archive(self) -> ClassArchive:
+        return ClassArchive(jars_dir(self.version).parent / "cds", self._java()[0])
+
     def up(self, quiet: bool = False, wait: bool = True) -> BrokerState:
         """Start the broker (fetching and formatting first if needed); a no-op if it runs.
         `wait=False` returns once the process is started (a cluster's node cannot answer before
@@ -333,6 +339,7 @@ class LocalBroker:
             fmt = subprocess.run(
                 [
                     *self._java(),
+                    *self._archive().use(),
                     "-Xmx256m",
                     "kafka.tools.StorageTool",
                     "format",
@@ -347,9 +354,10 @@ class LocalBroker:
             )
             if fmt.returncode != 0:
                 raise BrokerError(f"formatting KRaft storage failed:\n{fmt.stdout}{fmt.stderr}")
+        archive_flags, dump = self._archive().use_or_make()
         with open(self.log_file, "ab") as logf:
             proc = subprocess.Popen(
-                [*self._java(), *BROKER_HEAP, *BROKER_JIT, "kafka.Kafka", str(config)],
+                [*self._java(), *BROKER_HEAP, *BROKER_JIT, *archive_flags, "kafka.Kafka", str(config)],
                 env=_broker_env(),
                 stdout=logf,
                 stderr=subprocess.STDOUT,
@@ -364,6 +372,7 @@ class LocalBroker:
             host=self.host if self.listener is None else "127.0.0.1",
             version=self.version,
             started_at=time.time(),
+            class_archive=dump,
         )
         self.state_file.write_text(json.dumps(asdict(st)))
         if not wait:
@@ -406,6 +415,7 @@ class LocalBroker:
             os.kill(st.pid, signal.SIGKILL)
             _reap(st.pid)
             how = f"killed (did not stop within {timeout:.0f}s of SIGTERM)"
+        self._archive().finish(st.class_archive, stopped_cleanly=how == "stopped")
         if not quiet:
             print(f"Kafka (pid {st.pid}) {how}; data kept in {self.data_dir}")
         return True

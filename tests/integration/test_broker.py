@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from fakes.records import make_problem
 
 from stream_rl.errors import BrokerError
 from stream_rl.kafka.broker import LocalBroker, free_port
+from stream_rl.kafka.class_archive import ClassArchive
 from stream_rl.kafka.client import KafkaTransport
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.topics import PROBLEMS, TopicNames, apply_topics
@@ -17,9 +19,14 @@ from stream_rl.kafka.topics import PROBLEMS, TopicNames, apply_topics
 pytestmark = pytest.mark.integration
 
 
-def test_down_then_up_keeps_topics_and_records(tmp_path: Path) -> None:
+def test_down_then_up_keeps_topics_and_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also the class archive: the first broker (none yet, an archive dir of the test's own) dumps
+    its classes when it stops, the second maps that archive."""
+    archive = ClassArchive(tmp_path / "cds", shutil.which("java") or "java")
+    monkeypatch.setattr(LocalBroker, "_archive", lambda self: archive)
     broker = LocalBroker(tmp_path / "k", port=free_port())
     st = broker.up(quiet=True)
+    assert st.class_archive and not archive.path.exists()
     try:
         assert broker.up(quiet=True).pid == st.pid  # a second `up` is a no-op
         kafka = KafkaTransport(st.bootstrap)
@@ -31,8 +38,10 @@ def test_down_then_up_keeps_topics_and_records(tmp_path: Path) -> None:
         p.flush()
         assert broker.down(quiet=True)
         assert "stopped" in broker.status()
+        assert archive.path.exists() and not list(archive.directory.glob("*.tmp"))
         st2 = broker.up(quiet=True)
-        assert st2.pid != st.pid
+        assert st2.pid != st.pid and st2.class_archive == ""
+        assert str(archive.path) in Path(f"/proc/{st2.pid}/maps").read_text()  # the JVM mapped it
         kafka = KafkaTransport(st2.bootstrap)
         assert names[PROBLEMS] in kafka.list_topic_names()
         assert sum(h - lo for lo, h in kafka.watermarks(names[PROBLEMS]).values()) == 5
