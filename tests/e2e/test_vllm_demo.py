@@ -39,7 +39,7 @@ STEPS = 60
 def test_the_cpu_demo_learns_on_vllm(
     tmp_path: Path, vllm_server: Any, kafka_bootstrap: str, kafka: KafkaTransport
 ) -> None:
-    from vllm_fixture import TOKEN
+    from vllm_fixture import DEMO_BATCH, TOKEN
 
     run = f"vllmdemo{os.getpid()}"
     overrides = {
@@ -58,6 +58,7 @@ def test_the_cpu_demo_learns_on_vllm(
             demo.setdefault(key, {}).update(value)
         else:
             demo[key] = value
+    assert demo["inference"]["max_batch"] == DEMO_BATCH, "the session's vLLM server runs the demo's batch"
     config = tmp_path / "demo-vllm.yaml"
     config.write_text(yaml.safe_dump(demo))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "STREAM_RL_ADMIN_TOKEN": TOKEN}
