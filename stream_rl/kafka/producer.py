@@ -36,6 +36,40 @@ right after a broker restart), so the stage is restarted within 15 s of that ins
 Such a step takes milliseconds when the broker answers."""
 
 
+STUCK_S = 30.0
+"""Records that no acknowledgement moved for this long while the broker answers metadata requests
+all along are stuck in librdkafka: seen after a broker restart ("new leader not found in cache"
+for their partition, then nothing for minutes, until the watchdog killed the stage); the
+producer is then wedged and the stage restarts (a restarted stage re-produces from its
+committed input), instead of waiting out `kafka.outage_timeout_s`."""
+
+
+class _StuckDelivery:
+    """Tells a flush that waits on an outage (the broker does not answer: wait) from one stuck
+    with the broker answering (give up after `STUCK_S`). `answers` is asked at most every 5 s,
+    once no record was acknowledged for 5 s."""
+
+    def __init__(self, answers: Callable[[], bool], clock: Callable[[], float] = time.monotonic) -> None:
+        self.answers, self.clock = answers, clock
+        self.remaining: int | None = None
+        self.moved = self.asked = clock()
+        self.answering_since: float | None = None
+
+    def check(self, remaining: int) -> bool:
+        now = self.clock()
+        if remaining != self.remaining:
+            self.remaining, self.moved = remaining, now
+        if now - self.moved < 5.0 or now - self.asked < 5.0:
+            return False
+        self.asked = now
+        if not self.answers():
+            self.answering_since = None
+            return False
+        if self.answering_since is None:
+            self.answering_since = now
+        return now - max(self.moved, self.answering_since) >= STUCK_S
+
+
 def _headers(headers: Headers | None) -> list[tuple[str, bytes]] | None:
     if not headers:
         return None
@@ -113,6 +147,7 @@ class KafkaProducer:
         limit = self.outage_s if timeout is None else timeout
         started = time.monotonic()
         warned = False
+        stuck = _StuckDelivery(self._answers)
         while True:
             remaining = self._p.flush(min(1.0, max(started + limit - time.monotonic(), 0.0)))
             waited = time.monotonic() - started
@@ -123,6 +158,12 @@ class KafkaProducer:
                 log.warning(
                     "flush: %d records not acknowledged after 5s; waiting up to %.0fs", remaining, limit
                 )
+            if stuck.check(remaining):
+                self._wedged = True
+                raise Wedged(
+                    f"flush: {remaining} records not acknowledged for {STUCK_S:.0f}s although the broker "
+                    "answers (librdkafka lost their partition's leader); restart the stage"
+                )
         self._fatal.check("flush")
         if remaining:
             raise KafkaError(f"{remaining} records not delivered within {limit:.0f}s (is the broker up?)")
@@ -131,6 +172,15 @@ class KafkaProducer:
         if self._errors:
             errors, self._errors = self._errors, []
             raise KafkaError(f"{len(errors)} records failed delivery; first: {errors[0]}")
+
+    def _answers(self) -> bool:
+        """A metadata request of this producer's own: whether the broker answers it (its answer
+        also refreshes the leaders librdkafka knows)."""
+        try:
+            self._p.list_topics(timeout=2.0)
+            return True
+        except ck.KafkaException:
+            return False
 
     def init_transactions(self, timeout: float = 30.0) -> None:
         try:

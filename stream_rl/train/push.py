@@ -253,12 +253,14 @@ def rejoin_dropped(pusher: WeightPusher, urls: Sequence[str], health_timeout_s: 
 
     missing = [url for url in urls if url not in set(pusher.live_servers)]
     up = []
-    for url in missing:
-        try:
-            if httpx.get(f"{url}/health", timeout=health_timeout_s).status_code == 200:
-                up.append(url)
-        except httpx.HTTPError:
-            continue
+    if missing:
+        with httpx.Client(timeout=health_timeout_s) as http:  # one SSL context, not one per server
+            for url in missing:
+                try:
+                    if http.get(f"{url}/health").status_code == 200:
+                        up.append(url)
+                except httpx.HTTPError:
+                    continue
     if not up:
         return False
     before = len(pusher.live_servers)

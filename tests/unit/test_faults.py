@@ -405,3 +405,34 @@ def test_free_ports_lie_below_the_ephemeral_range_and_are_free() -> None:
         assert span[0] <= port <= span[1]
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_a_flush_stuck_while_the_broker_answers_wedges_but_an_outage_is_waited_out() -> None:
+    """`KafkaProducer.flush`'s judge: no acknowledgement for STUCK_S while the broker answers the
+    producer's metadata requests is stuck (the stage restarts); while the broker does not answer it
+    is an outage (waited out up to kafka.outage_timeout_s); any acknowledgement starts over."""
+    from stream_rl.kafka.producer import STUCK_S, _StuckDelivery
+
+    now = [0.0]
+    broker_up = [False]
+    asked: list[float] = []
+
+    def answers() -> bool:
+        asked.append(now[0])
+        return broker_up[0]
+
+    judge = _StuckDelivery(answers, clock=lambda: now[0])
+
+    def run_until(t: float, remaining: int) -> bool:
+        while now[0] < t:
+            now[0] += 1.0
+            if judge.check(remaining):
+                return True
+        return False
+
+    assert not run_until(60, 16)  # the broker is down: an outage, however long
+    assert asked and all(b - a >= 5.0 for a, b in zip(asked, asked[1:], strict=False))  # asked every 5 s
+    broker_up[0] = True
+    assert not run_until(60 + STUCK_S - 6, 16)
+    assert not run_until(60 + STUCK_S + 10, 15)  # one record acknowledged: the clock starts over
+    assert run_until(60 + 2 * STUCK_S + 20, 15)  # then nothing moved for STUCK_S, the broker answering
