@@ -7,8 +7,9 @@ Contract of `ServerPool.call(fn)`:
   call, so all its turns stay on one server (its weight versions only grow).
 - A call that raises `InferenceError` (connection refused, timeout, HTTP error) counts against
   its server. `max_retries` consecutive failures mark the server dead: no calls are routed to
-  it; after `cooldown_s` (doubling while it stays down, up to `cooldown_max_s`) its `/health`
-  is probed, and a healthy answer puts it back.
+  it; after `cooldown_s` (doubling while it stays down, up to `cooldown_max_s`, 8 s: one GET,
+  where a restarted server waited up to ~30 s more at 60 s, the run stalled the while) its
+  `/health` is probed, and a healthy answer puts it back.
 - The failed call is retried (backoff `backoff_s` doubling up to `backoff_max_s`), on whatever
   server is then least loaded. While every server is dead the call waits (logged every
   `log_every_s`): a server outage delays problems, it never drops them.
@@ -135,7 +136,7 @@ class ServerPool:
         backoff_s: float = 0.2,
         backoff_max_s: float = 10.0,
         cooldown_s: float = 2.0,
-        cooldown_max_s: float = 60.0,
+        cooldown_max_s: float = 8.0,
         health_timeout_s: float = 5.0,
         log_every_s: float = 10.0,
         max_lag: int | None = None,
