@@ -191,6 +191,10 @@ def versions_of(timeline: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [seen[v] for v in sorted(seen)]
 
 
+def fmt(value: Any, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def centered_mean(values: list[float], window: int) -> list[float]:
     """Mean over `window` neighbours centred on each point (fewer at the edges)."""
     half = window // 2
