@@ -328,6 +328,7 @@ class LocalBroker:
         if not port_is_free(controller_port):
             raise BrokerError(f"controller port {controller_port} (recorded in {self.state_file}) is taken")
         config = self._write_config(controller_port)
+        archive = self._archive()
         started = time.monotonic()
         if not (self.data_dir / "kraft-logs" / "meta.properties").exists():
             cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
@@ -339,7 +340,7 @@ class LocalBroker:
             fmt = subprocess.run(
                 [
                     *self._java(),
-                    *self._archive().use(),
+                    *archive.use(),
                     "-Xmx256m",
                     "kafka.tools.StorageTool",
                     "format",
@@ -354,7 +355,7 @@ class LocalBroker:
             )
             if fmt.returncode != 0:
                 raise BrokerError(f"formatting KRaft storage failed:\n{fmt.stdout}{fmt.stderr}")
-        archive_flags, dump = self._archive().use_or_make()
+        archive_flags, dump = archive.use_or_make()
         with open(self.log_file, "ab") as logf:
             proc = subprocess.Popen(
                 [*self._java(), *BROKER_HEAP, *BROKER_JIT, *archive_flags, "kafka.Kafka", str(config)],
@@ -415,7 +416,8 @@ class LocalBroker:
             os.kill(st.pid, signal.SIGKILL)
             _reap(st.pid)
             how = f"killed (did not stop within {timeout:.0f}s of SIGTERM)"
-        self._archive().finish(st.class_archive, stopped_cleanly=how == "stopped")
+        if st.class_archive:
+            self._archive().finish(st.class_archive, stopped_cleanly=how == "stopped")
         if not quiet:
             print(f"Kafka (pid {st.pid}) {how}; data kept in {self.data_dir}")
         return True

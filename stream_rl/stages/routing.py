@@ -7,9 +7,9 @@ Contract of `ServerPool.call(fn)`:
   call, so all its turns stay on one server (its weight versions only grow).
 - A call that raises `InferenceError` (connection refused, timeout, HTTP error) counts against
   its server. `max_retries` consecutive failures mark the server dead: no calls are routed to
-  it; after `cooldown_s` (doubling while it stays down, up to `cooldown_max_s`, 8 s: one GET,
-  where a restarted server waited up to ~30 s more at 60 s, the run stalled the while) its
-  `/health` is probed, and a healthy answer puts it back.
+  it; after `cooldown_s` (doubling while it stays down, up to `cooldown_max_s`: 8 s, as a probe
+  is one GET; at 60 s a restarted server waited up to ~30 s more to be found) its `/health` is
+  probed, and a healthy answer puts it back.
 - The failed call is retried (backoff `backoff_s` doubling up to `backoff_max_s`), on whatever
   server is then least loaded. While every server is dead the call waits (logged every
   `log_every_s`): a server outage delays problems, it never drops them.
