@@ -187,12 +187,16 @@ def _render(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     return {**rendered, "output_mode": "tokens"}
 
 
-SWAP_AFTER = 16
-"""Tokens the stream has delivered when the update is pushed. On a loaded machine (three xdist
-workers beside the chaos run) a push can take longer than the engine needs for the rest of the 300
-tokens: with 40 here, one clean-clone run saw all three attempts finish before the update; with 16
-and 300 tokens (the other requests 160) one saw all five, once the suite's CPU was cut by a fifth
-and the session's server ran the demo's batch of 128: 480 tokens and others of 256 now."""
+SWAP_AFTER = 4
+"""Tokens the stream has delivered when the update is pushed. On a loaded machine a push can take
+longer than the engine needs for the rest of the sequence: clean-clone runs saw every attempt
+finish first with 40 and 300 tokens, with 16 and 300, and (both modes, all five attempts, on a
+fresh machine, 2026-12-02) with 16 and 480 beside 24 others of 256. So the update is pushed as
+soon as the stream runs, and the batch around it is bigger and as long (OTHERS): each engine step
+is slower, and none of the others finishes before the long sequence and leaves it alone."""
+
+OTHERS = (12, 448)
+"""Requests of 4 sequences, and their tokens, running beside the long generation."""
 
 
 @pytest.mark.parametrize("pause", ["recompute", "keep"])
@@ -211,8 +215,10 @@ def test_an_update_lands_in_the_middle_of_a_long_generation(
             # Other requests in the batch: they must survive the update, and they keep the engine
             # busy so that the long sequence is still running when the update pauses it.
             others = [
-                asyncio.create_task(client.complete_many(prompt, SamplingConfig(max_tokens=256), n=4, seed=i))
-                for i in range(6)
+                asyncio.create_task(
+                    client.complete_many(prompt, SamplingConfig(max_tokens=OTHERS[1]), n=4, seed=i)
+                )
+                for i in range(OTHERS[0])
             ]
             while len(seen) < SWAP_AFTER:
                 await asyncio.sleep(0.005)
