@@ -139,6 +139,18 @@ def _every_role_up(up: dict[str, int]) -> bool:
     return up.get("actor") == 3 and up.get("verifier") == 2 and set(up) >= ROLES
 
 
+def _down_targets(stack: Compose) -> list[str]:
+    """Prometheus's own account of each target not up (its role, address and last scrape error)."""
+    url = f"http://127.0.0.1:{stack.prometheus_port}/api/v1/targets"
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        active = json.load(resp)["data"]["activeTargets"]
+    return [
+        f"{t['labels'].get('role')} {t['scrapeUrl']}: {t['health']} ({t.get('lastError') or 'no error'})"
+        for t in active
+        if t["health"] != "up"
+    ]
+
+
 def _prometheus_up(stack: Compose) -> dict[str, int]:
     url = f"http://127.0.0.1:{stack.prometheus_port}/api/v1/query?query=up"
     with urllib.request.urlopen(url, timeout=10) as resp:
@@ -185,7 +197,9 @@ def _run_the_demo(stack: Compose, engine: Engine, topics: Topics, out: DemoRun) 
     try:
         out.prometheus_up = wait_for("Prometheus scraping every stage", every_role_up, timeout=120)
     except AssertionError as exc:
-        raise AssertionError(f"{exc}; the last query's up targets by role: {seen}") from None
+        raise AssertionError(
+            f"{exc}; the last query's up targets by role: {seen}; not up: {_down_targets(stack)}"
+        ) from None
     wait_for(
         f"the trainer's exit after {STEPS} steps",
         lambda: all(c["state"] == "exited" for c in stack.containers("trainer")),
