@@ -25,6 +25,7 @@ import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from compose_stack import DEPLOY, Compose, Engine, Topics, host_network_state, models_volume, sh, wait_for
@@ -139,11 +140,17 @@ def _every_role_up(up: dict[str, int]) -> bool:
     return up.get("actor") == 3 and up.get("verifier") == 2 and set(up) >= ROLES
 
 
+def _prometheus_api(stack: Compose, path: str) -> Any:
+    """The `data` of Prometheus's HTTP API answer at `path` (e.g. `query?query=up`)."""
+    with urllib.request.urlopen(
+        f"http://127.0.0.1:{stack.prometheus_port}/api/v1/{path}", timeout=10
+    ) as resp:
+        return json.load(resp)["data"]
+
+
 def _down_targets(stack: Compose) -> list[str]:
     """Prometheus's own account of each target not up (its role, address and last scrape error)."""
-    url = f"http://127.0.0.1:{stack.prometheus_port}/api/v1/targets"
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        active = json.load(resp)["data"]["activeTargets"]
+    active = _prometheus_api(stack, "targets")["activeTargets"]
     return [
         f"{t['labels'].get('role')} {t['scrapeUrl']}: {t['health']} ({t.get('lastError') or 'no error'})"
         for t in active
@@ -152,9 +159,7 @@ def _down_targets(stack: Compose) -> list[str]:
 
 
 def _prometheus_up(stack: Compose) -> dict[str, int]:
-    url = f"http://127.0.0.1:{stack.prometheus_port}/api/v1/query?query=up"
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        result = json.load(resp)["data"]["result"]
+    result = _prometheus_api(stack, "query?query=up")["result"]
     return dict(Counter(r["metric"]["role"] for r in result if r["value"][1] == "1"))
 
 

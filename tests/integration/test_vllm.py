@@ -192,11 +192,11 @@ SWAP_AFTER = 4
 longer than the engine needs for the rest of the sequence: clean-clone runs saw every attempt
 finish first with 40 and 300 tokens, with 16 and 300, and (both modes, all five attempts, on a
 fresh machine, 2026-12-02) with 16 and 480 beside 24 others of 256. So the update is pushed as
-soon as the stream runs, and the batch around it is bigger and as long (OTHERS): each engine step
-is slower, and none of the others finishes before the long sequence and leaves it alone."""
+soon as the stream runs, and the batch around it is bigger and nearly as long (below): each engine
+step is slower, and the long sequence runs alone for its last 32 tokens only."""
 
-OTHERS = (12, 448)
-"""Requests of 4 sequences, and their tokens, running beside the long generation."""
+OTHER_REQUESTS, OTHER_TOKENS = 12, 448
+"""Requests of 4 sequences each, and their tokens, running beside the long generation."""
 
 
 @pytest.mark.parametrize("pause", ["recompute", "keep"])
@@ -216,9 +216,9 @@ def test_an_update_lands_in_the_middle_of_a_long_generation(
             # busy so that the long sequence is still running when the update pauses it.
             others = [
                 asyncio.create_task(
-                    client.complete_many(prompt, SamplingConfig(max_tokens=OTHERS[1]), n=4, seed=i)
+                    client.complete_many(prompt, SamplingConfig(max_tokens=OTHER_TOKENS), n=4, seed=i)
                 )
-                for i in range(OTHERS[0])
+                for i in range(OTHER_REQUESTS)
             ]
             while len(seen) < SWAP_AFTER:
                 await asyncio.sleep(0.005)
