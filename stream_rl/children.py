@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stream_rl.cli import STACKS_SIGNAL
 from stream_rl.config import ADMIN_TOKEN_ENV, RunConfig
 from stream_rl.kafka.outage import REACHABLE_WAIT_ENV
 
@@ -30,6 +32,26 @@ class Child:
     @property
     def log(self) -> Path:
         return self.dir / "stdout.log"
+
+    @property
+    def dumps_stacks(self) -> bool:
+        """Whether the child is a `stream-rl` command (they print every thread's stack on
+        `STACKS_SIGNAL`, stream_rl/cli.py); other programs (vLLM, SGLang) may die of that signal."""
+        return self.cmd[1:3] == ["-m", "stream_rl.cli"]
+
+    def dump_stacks(self, wait_s: float = 2.0) -> bool:
+        """Ask a live `stream-rl` child for its threads' stacks (into its log); True when asked.
+        Waits up to `wait_s` for the log to grow (the dump is written by a C handler, even while
+        the interpreter is blocked in a call)."""
+        if self.proc is None or self.proc.poll() is not None or not self.dumps_stacks:
+            return False
+        size = self.log.stat().st_size if self.log.exists() else 0
+        self.proc.send_signal(STACKS_SIGNAL)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and (self.log.stat().st_size if self.log.exists() else 0) == size:
+            time.sleep(0.1)
+        time.sleep(0.2)  # the rest of the dump (one write per frame)
+        return True
 
     def tail(self, lines: int = 25) -> str:
         try:

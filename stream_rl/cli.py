@@ -6,9 +6,11 @@ kafka up` does not import torch. Errors a user can act on print one line and exi
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import logging
 import os
+import signal
 import sys
 
 from stream_rl.errors import StreamRLError
@@ -95,8 +97,15 @@ def command_parser(name: str) -> tuple[argparse.ArgumentParser, object]:
     return parser, mod
 
 
+STACKS_SIGNAL = signal.SIGUSR1
+"""Every `stream-rl` command prints all its threads' Python stacks to stderr on this signal
+(`faulthandler`) and goes on: the launcher sends it to a stage before killing it as stuck."""
+
+
 def main(argv: list[str] | None = None) -> int:
     top = _top_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    # `kill -USR1 <pid>` prints every thread's stack and goes on (the launcher asks a stuck stage).
+    faulthandler.register(STACKS_SIGNAL, all_threads=True, chain=False)
     logging.basicConfig(
         level=top.log_level.upper(),
         stream=sys.stderr,

@@ -191,12 +191,17 @@ class Supervision:
         live = [c for c in stuck if c.proc is not None and c.proc.poll() is None]
         if cfg.restart and live and all(c.restarts < cfg.max_restarts for c in live):
             for child in live:
-                print(f"\n{stall.message}: killing {child.name} to restart it", file=sys.stderr)
+                dumped = child.dump_stacks()
+                where = f" (its threads' stacks are at the end of {child.log})" if dumped else ""
+                print(f"\n{stall.message}: killing {child.name} to restart it{where}", file=sys.stderr)
                 assert child.proc is not None
                 child.proc.kill()
                 child.proc.wait()
             watchdog.reset(now)
             return True  # check_children restarts them
+        for child in live:
+            if child.dump_stacks():
+                stall.message += f" ({child.name}'s threads' stacks are at the end of {child.log})"
         self.stalled = stall.message
         self.exit_reason = "stalled"
         return False
@@ -222,8 +227,9 @@ class Supervision:
                 try:
                     child.proc.wait(max(deadline - time.monotonic(), 0.1))
                 except subprocess.TimeoutExpired:
+                    where = f" (its threads' stacks: end of {child.log})" if child.dump_stacks() else ""
                     print(
-                        f"{child.name} did not stop within {STOP_GRACE_S:.0f}s of SIGTERM: killing it",
+                        f"{child.name} did not stop within {STOP_GRACE_S:.0f}s of SIGTERM: killing it{where}",
                         file=sys.stderr,
                     )
                     child.proc.kill()
