@@ -23,8 +23,14 @@ $(UV):
 # --compile-bytecode: Python then never compiles a module twice, also where
 # PYTHONDONTWRITEBYTECODE is set (as on our machines): every stage process of the tests and the
 # demo imports torch and transformers, which costs ~4 s of CPU more from source.
-$(STAMP): pyproject.toml Makefile | $(UV)
-	@test -x $(PY) || $(UV) venv -q --python $(PYTHON) $(VENV)
+# The environment lives in the cache, one per checkout directory, and .venv links to it: a fresh
+# clone in the same directory (CI's) finds it installed and compiled (else ~1 min of both cores:
+# the compiling). A .venv of its own (a directory) is used as it is. Order-only: the stamp's name
+# holds the hash of pyproject.toml and this file, and a fresh clone's copies are newer than it.
+DEV_HOME := $(CACHE)/venvs/dev-$(shell printf %s "$(CURDIR)" | sha1sum | cut -c1-12)
+$(STAMP): | $(UV)
+	@test -e $(VENV) || { mkdir -p $(DEV_HOME) && ln -s $(DEV_HOME) $(VENV); }
+	@test -x $(PY) || $(UV) venv -q --python $(PYTHON) $$(readlink -f $(VENV))
 	@$(UV) pip install -q --compile-bytecode --python $(PY) -e '.[dev,trackers]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
@@ -53,8 +59,9 @@ lint: setup
 	$(VENV)/bin/ruff check stream_rl tests bench
 	$(VENV)/bin/ruff format --check stream_rl tests bench
 
+# mypy's cache beside the environment (per checkout): a fresh clone re-checks what changed only.
 typecheck: setup
-	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy --cache-dir $(VENV)/mypy-cache
 
 # The `docker` tests' tools: Debian's docker.io and debootstrap, Compose v2 (built once, cached).
 docker-tools:
@@ -89,4 +96,4 @@ demo: setup $(DEMO_MODEL)/config.json
 	$(VENV)/bin/stream-rl run $(DEMO_CONFIG) $(if $(RUN),--set run=$(RUN)) $(DEMO_ARGS)
 
 clean-venv:
-	rm -rf $(VENV) $(VLLM_VENV)   # the vLLM environment itself stays in $(CACHE)/venvs
+	rm -rf $(DEV_HOME) $(VENV) $(VLLM_VENV)   # the vLLM environment itself stays in $(CACHE)/venvs

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.parse
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
@@ -137,7 +138,7 @@ ROLES = {"trainer", "server", "preprocessor", "lag-exporter"}
 
 
 def _every_role_up(up: dict[str, int]) -> bool:
-    return up.get("actor") == 3 and up.get("verifier") == 2 and set(up) >= ROLES
+    return up.get("actor", 0) >= 3 and up.get("verifier", 0) >= 2 and set(up) >= ROLES
 
 
 def _prometheus_api(stack: Compose, path: str) -> Any:
@@ -158,8 +159,15 @@ def _down_targets(stack: Compose) -> list[str]:
     ]
 
 
+SCRAPED = urllib.parse.quote("max_over_time(up[10m])")
+"""Per target, 1 if one scrape of the last 10 minutes succeeded. Not `up` now: the trainer can
+finish its steps during the wait on a slow machine (a cold CI run: its container gone, Prometheus
+keeps scraping the address Docker's DNS last gave, "no route to host")."""
+
+
 def _prometheus_up(stack: Compose) -> dict[str, int]:
-    result = _prometheus_api(stack, "query?query=up")["result"]
+    """Per role, the targets (replicas) Prometheus scraped at least once in the last 10 minutes."""
+    result = _prometheus_api(stack, f"query?query={SCRAPED}")["result"]
     return dict(Counter(r["metric"]["role"] for r in result if r["value"][1] == "1"))
 
 
@@ -190,8 +198,8 @@ def _run_the_demo(stack: Compose, engine: Engine, topics: Topics, out: DemoRun) 
     started = time.monotonic()
     out.status = stack("run", "--rm", "trainer", "status", "--run", RUN, "--once", timeout=120)
     out.timings["compose run trainer status"] = time.monotonic() - started
-    # Every role up in one query: a busy stage can miss one 5 s scrape (seen: the trainer, under a
-    # machine loaded ~7 times over), so the wait is for all of them, not for the replicas alone.
+    # Every role (each replica) scraped: a busy stage can miss one 5 s scrape (seen: the trainer,
+    # under a machine loaded ~7 times over), and the trainer may be done by now (_prometheus_up).
     seen: dict[str, int] = {}
 
     def every_role_up() -> dict[str, int] | None:
@@ -203,7 +211,8 @@ def _run_the_demo(stack: Compose, engine: Engine, topics: Topics, out: DemoRun) 
         out.prometheus_up = wait_for("Prometheus scraping every stage", every_role_up, timeout=120)
     except AssertionError as exc:
         raise AssertionError(
-            f"{exc}; the last query's up targets by role: {seen}; not up: {_down_targets(stack)}"
+            f"{exc}; the last query's up targets by role: {seen}; not up: {_down_targets(stack)}; "
+            f"trainer containers: {stack.containers('trainer')}"
         ) from None
     wait_for(
         f"the trainer's exit after {STEPS} steps",
@@ -304,7 +313,7 @@ def test_status_shows_the_live_picture(demo: DemoRun) -> None:
 
 def test_prometheus_scrapes_every_stage(demo: DemoRun) -> None:
     up = demo.prometheus_up
-    assert up.get("actor") == 3 and up.get("verifier") == 2
+    assert up.get("actor", 0) >= 3 and up.get("verifier", 0) >= 2, up
     assert set(up) >= ROLES, up
 
 
