@@ -102,10 +102,16 @@ STACKS_SIGNAL = signal.SIGUSR1
 (`faulthandler`) and goes on: the launcher sends it to a stage before killing it as stuck."""
 
 
+def _print_stacks_on_signal() -> None:
+    """`kill -USR1 <pid>` prints every thread's stack to file descriptor 2 (a stage's log; not
+    `sys.stderr`, which a caller of `main` may have replaced) and goes on: the launcher asks a
+    stuck stage before it kills it."""
+    faulthandler.register(STACKS_SIGNAL, file=2, all_threads=True, chain=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     top = _top_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    # `kill -USR1 <pid>` prints every thread's stack and goes on (the launcher asks a stuck stage).
-    faulthandler.register(STACKS_SIGNAL, all_threads=True, chain=False)
+    _print_stacks_on_signal()
     logging.basicConfig(
         level=top.log_level.upper(),
         stream=sys.stderr,
