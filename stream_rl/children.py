@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,17 @@ class Child:
             time.sleep(0.1)
         time.sleep(0.2)  # the rest of the dump (one write per frame)
         return True
+
+    def kill_ignoring_sigterm(self, grace_s: float) -> int:
+        """The child did not stop within `grace_s` of SIGTERM: its stacks into its log, a line
+        saying so, SIGKILL; returns its exit code."""
+        assert self.proc is not None
+        where = f" (its threads' stacks: end of {self.log})" if self.dump_stacks() else ""
+        print(
+            f"{self.name} did not stop within {grace_s:.0f}s of SIGTERM: killing it{where}", file=sys.stderr
+        )
+        self.proc.kill()
+        return self.proc.wait()
 
     def tail(self, lines: int = 25) -> str:
         try:

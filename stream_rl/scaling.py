@@ -293,8 +293,7 @@ class Scaling:
         try:
             return child.proc.wait(STOP_GRACE_S)
         except subprocess.TimeoutExpired:
-            child.proc.kill()
-            return child.proc.wait()
+            return child.kill_ignoring_sigterm(STOP_GRACE_S)
 
 
 # -- the command -------------------------------------------------------------------------------

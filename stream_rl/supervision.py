@@ -227,13 +227,7 @@ class Supervision:
                 try:
                     child.proc.wait(max(deadline - time.monotonic(), 0.1))
                 except subprocess.TimeoutExpired:
-                    where = f" (its threads' stacks: end of {child.log})" if child.dump_stacks() else ""
-                    print(
-                        f"{child.name} did not stop within {STOP_GRACE_S:.0f}s of SIGTERM: killing it{where}",
-                        file=sys.stderr,
-                    )
-                    child.proc.kill()
-                    child.proc.wait()
+                    child.kill_ignoring_sigterm(STOP_GRACE_S)
 
     def read_final(self, monitor: Any, timeout_s: float = 15.0) -> None:
         """The trainer exited 0 before the monitor read its last versions (it polls every 0.5 s):

@@ -3,6 +3,7 @@ SIGUSR1 and goes on (the launcher asks for them before it kills a stage as stuck
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
@@ -48,7 +49,9 @@ def _blocked_stage(tmp_path: Path, role: str) -> Child:
             env={"PATH": "/usr/bin:/bin", "STREAM_RL_KAFKA_REACHABLE_WAIT_S": "60"},
         )
     deadline = time.monotonic() + 30
-    while not _catches(child.proc.pid, STACKS_SIGNAL) and time.monotonic() < deadline:
+    while time.monotonic() < deadline and not (
+        _catches(child.proc.pid, STACKS_SIGNAL) and _catches(child.proc.pid, signal.SIGTERM)
+    ):
         time.sleep(0.05)
     time.sleep(1.0)  # into the broker wait
     return child
@@ -88,6 +91,27 @@ def test_the_launcher_asks_a_stuck_stage_for_its_stacks_before_it_kills_it(
         child.proc.wait()
     err = capsys.readouterr().err
     assert "stuck: actor" in err and f"its threads' stacks are at the end of {child.log}" in err, err
+    assert "(most recent call first):" in child.log.read_text()
+
+
+def test_a_stage_that_does_not_stop_on_sigterm_is_asked_then_killed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    child = _blocked_stage(tmp_path, "verifier")  # its SIGTERM flag waits for the broker wait
+    assert child.proc is not None
+    try:
+        child.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(subprocess.TimeoutExpired):
+            child.proc.wait(1.0)
+        assert child.kill_ignoring_sigterm(1.0) == -signal.SIGKILL
+    finally:
+        child.proc.kill()
+        child.proc.wait()
+    err = capsys.readouterr().err
+    assert (
+        f"verifier-0 did not stop within 1s of SIGTERM: killing it (its threads' stacks: end of {child.log})"
+        in err
+    )
     assert "(most recent call first):" in child.log.read_text()
 
 
