@@ -170,30 +170,39 @@ def follow(config: RunConfig, transport: Transport, sinks: list[Sink], stop: Sto
     last_v = -1
     logged = 0
     final_at: float | None = None
+
+    def log_new() -> None:
+        nonlocal last_v, logged, final_at
+        for wv in versions.drain():
+            if wv.version <= last_v:
+                continue
+            last_v = wv.version
+            logged += 1
+            metrics = version_metrics(wv)
+            lag: dict[str, float] = {}
+            for x in run_lags(transport, names, with_age=False):
+                key = f"lag/{x.group.rsplit('.', 1)[-1]}"
+                lag[key] = lag.get(key, 0.0) + x.lag
+            for sink in sinks:
+                sink.log(wv.version, {**metrics, **lag}, wv.created_ms)
+            if wv.kind == WeightVersionKind.FINAL:
+                final_at = time.monotonic()
+        for ev in evals.drain():
+            for sink in sinks:
+                sink.log(ev.version, eval_metrics(ev), ev.finished_ms)
+
     try:
         while not stop:
-            for wv in versions.drain():
-                if wv.version <= last_v:
-                    continue
-                last_v = wv.version
-                logged += 1
-                metrics = version_metrics(wv)
-                lag: dict[str, float] = {}
-                for x in run_lags(transport, names, with_age=False):
-                    key = f"lag/{x.group.rsplit('.', 1)[-1]}"
-                    lag[key] = lag.get(key, 0.0) + x.lag
-                for sink in sinks:
-                    sink.log(wv.version, {**metrics, **lag}, wv.created_ms)
-                if wv.kind == WeightVersionKind.FINAL:
-                    final_at = time.monotonic()
-            for ev in evals.drain():
-                for sink in sinks:
-                    sink.log(ev.version, eval_metrics(ev), ev.finished_ms)
+            log_new()
             if final_at is not None:
                 evaluated = not config.eval.every or any(ev.version == last_v for ev in evals.records)
                 if evaluated or time.monotonic() - final_at > config.eval.timeout_s:
                     break
             time.sleep(0.5)
+        # What the followers read since the last drain: the final version's evaluation can land in
+        # `evals.records` after that drain (the check above then ends the loop), and a SIGTERM
+        # (the launcher stopping the run) must not drop what was already read.
+        log_new()
     finally:
         versions.stop()
         evals.stop()

@@ -100,3 +100,47 @@ def test_track_follow_logs_each_version_and_evaluation_once_until_the_final_one(
     assert follow(config, t, [sink], StopFlag()) == 5
     assert sorted(v for v, is_eval in sink.logged if not is_eval) == [0, 1, 2, 3, 4]
     assert sorted(v for v, is_eval in sink.logged if is_eval) == [0, 2, 4]
+
+
+def test_track_follow_logs_the_final_evaluation_read_after_its_last_drain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The final version's evaluation can be decoded by the follower's thread after the loop's
+    drain and before its "was the final version evaluated?" check, which then ends the loop: it is
+    still logged (seen: a TensorBoard run missing its last eval point). The thread's timing is
+    played here: the drain that would hand over version 4's result hands it over one call later."""
+    from dataclasses import replace
+
+    from stream_rl.config import RunConfig
+    from stream_rl.contracts import WeightVersionKind
+    from stream_rl.kafka.stage import StopFlag
+    from stream_rl.track import follow
+
+    drain = RecordFollower.drain
+    held: list[EvalResult] = []
+
+    def racing_drain(self: RecordFollower[EvalResult]) -> list[EvalResult]:
+        out = drain(self)
+        late = [ev for ev in out if ev.version == 4]
+        if late and not held:
+            held.extend(late)
+            with self._lock:  # noqa: SLF001 - as the thread would: in `records` already, pending
+                self._pending[:0] = late  # noqa: SLF001
+            return [ev for ev in out if ev.version != 4]
+        return out
+
+    monkeypatch.setattr(RecordFollower, "drain", racing_drain)
+    config = RunConfig.model_validate({"run": "r", "eval": {"every": 2}})
+    t = MemoryTransport()
+    names = TopicNames(run="r")
+    t.create_topics(names.all_topics())
+    p = t.producer("trainer")
+    final = replace(make_weight_version(4, run_id="r"), kind=WeightVersionKind.FINAL)
+    for wv in [*(make_weight_version(v, run_id="r") for v in range(4)), final]:
+        p.produce(names[WEIGHT_VERSIONS], default_serde().encode(wv), key="r")
+    for v in (0, 2, 4):
+        p.produce(names[EVAL_RESULTS], default_serde().encode(make_eval_result(v)), key="r")
+    sink = _Sink()
+    assert follow(config, t, [sink], StopFlag()) == 5
+    assert held, "the race was played"
+    assert sorted(v for v, is_eval in sink.logged if is_eval) == [0, 2, 4]
