@@ -46,10 +46,14 @@ class Child:
         the interpreter is blocked in a call)."""
         if self.proc is None or self.proc.poll() is not None or not self.dumps_stacks:
             return False
-        size = self.log.stat().st_size if self.log.exists() else 0
+
+        def size() -> int:
+            return self.log.stat().st_size if self.log.exists() else 0
+
+        before = size()
         self.proc.send_signal(STACKS_SIGNAL)
         deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and (self.log.stat().st_size if self.log.exists() else 0) == size:
+        while time.monotonic() < deadline and size() == before:
             time.sleep(0.1)
         time.sleep(0.2)  # the rest of the dump (one write per frame)
         return True

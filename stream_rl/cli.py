@@ -102,16 +102,10 @@ STACKS_SIGNAL = signal.SIGUSR1
 (`faulthandler`) and goes on: the launcher sends it to a stage before killing it as stuck."""
 
 
-def _print_stacks_on_signal() -> None:
-    """`kill -USR1 <pid>` prints every thread's stack to file descriptor 2 (a stage's log; not
-    `sys.stderr`, which a caller of `main` may have replaced) and goes on: the launcher asks a
-    stuck stage before it kills it."""
-    faulthandler.register(STACKS_SIGNAL, file=2, all_threads=True, chain=False)
-
-
 def main(argv: list[str] | None = None) -> int:
     top = _top_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    _print_stacks_on_signal()
+    # To file descriptor 2 (a stage's log), not sys.stderr, which a caller of main() may replace.
+    faulthandler.register(STACKS_SIGNAL, file=2, all_threads=True, chain=False)
     logging.basicConfig(
         level=top.log_level.upper(),
         stream=sys.stderr,

@@ -31,6 +31,8 @@ from chaos_checks import (
 )
 from outside import Decoder, VersionWatch
 
+from stream_rl.cli import STACKS_SIGNAL
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(720)]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -149,7 +151,7 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                     os.kill(pids[action], signal.SIGKILL)
                 done.append(f"{action}@{version}")
         if proc.poll() is None:  # the launcher itself hung: its stacks into its log, then the kill
-            proc.send_signal(signal.SIGUSR1)
+            proc.send_signal(STACKS_SIGNAL)
             time.sleep(2)
             proc.kill()
         proc.wait(60)

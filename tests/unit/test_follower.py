@@ -76,9 +76,10 @@ class _Sink:
         pass
 
 
-def test_track_follow_logs_each_version_and_evaluation_once_until_the_final_one() -> None:
-    """The tracker keeps the newest version logged, not every version: a version published again
-    (a restarted trainer's mismatch) is still logged once."""
+def _follow_a_run(versions: list[int], evals: list[int]) -> tuple[int, _Sink]:
+    """`stream-rl track`'s follow loop over a run on the in-memory transport whose weight-versions
+    hold `versions` (the last one published as the final version) and eval-results `evals`:
+    (what it returns, what its sink logged)."""
     from dataclasses import replace
 
     from stream_rl.config import RunConfig
@@ -91,13 +92,20 @@ def test_track_follow_logs_each_version_and_evaluation_once_until_the_final_one(
     names = TopicNames(run="r")
     t.create_topics(names.all_topics())
     p = t.producer("trainer")
-    final = replace(make_weight_version(4, run_id="r"), kind=WeightVersionKind.FINAL)
-    for wv in [*(make_weight_version(v, run_id="r") for v in (0, 1, 2, 3, 2)), final]:
+    final = replace(make_weight_version(versions[-1], run_id="r"), kind=WeightVersionKind.FINAL)
+    for wv in [*(make_weight_version(v, run_id="r") for v in versions[:-1]), final]:
         p.produce(names[WEIGHT_VERSIONS], default_serde().encode(wv), key="r")
-    for v in (0, 2, 4):
+    for v in evals:
         p.produce(names[EVAL_RESULTS], default_serde().encode(make_eval_result(v)), key="r")
     sink = _Sink()
-    assert follow(config, t, [sink], StopFlag()) == 5
+    return follow(config, t, [sink], StopFlag()), sink
+
+
+def test_track_follow_logs_each_version_and_evaluation_once_until_the_final_one() -> None:
+    """The tracker keeps the newest version logged, not every version: a version published again
+    (a restarted trainer's mismatch) is still logged once."""
+    logged, sink = _follow_a_run([0, 1, 2, 3, 2, 4], [0, 2, 4])
+    assert logged == 5
     assert sorted(v for v, is_eval in sink.logged if not is_eval) == [0, 1, 2, 3, 4]
     assert sorted(v for v, is_eval in sink.logged if is_eval) == [0, 2, 4]
 
@@ -109,13 +117,6 @@ def test_track_follow_logs_the_final_evaluation_read_after_its_last_drain(
     drain and before its "was the final version evaluated?" check, which then ends the loop: it is
     still logged (seen: a TensorBoard run missing its last eval point). The thread's timing is
     played here: the drain that would hand over version 4's result hands it over one call later."""
-    from dataclasses import replace
-
-    from stream_rl.config import RunConfig
-    from stream_rl.contracts import WeightVersionKind
-    from stream_rl.kafka.stage import StopFlag
-    from stream_rl.track import follow
-
     drain = RecordFollower.drain
     held: list[EvalResult] = []
 
@@ -130,17 +131,7 @@ def test_track_follow_logs_the_final_evaluation_read_after_its_last_drain(
         return out
 
     monkeypatch.setattr(RecordFollower, "drain", racing_drain)
-    config = RunConfig.model_validate({"run": "r", "eval": {"every": 2}})
-    t = MemoryTransport()
-    names = TopicNames(run="r")
-    t.create_topics(names.all_topics())
-    p = t.producer("trainer")
-    final = replace(make_weight_version(4, run_id="r"), kind=WeightVersionKind.FINAL)
-    for wv in [*(make_weight_version(v, run_id="r") for v in range(4)), final]:
-        p.produce(names[WEIGHT_VERSIONS], default_serde().encode(wv), key="r")
-    for v in (0, 2, 4):
-        p.produce(names[EVAL_RESULTS], default_serde().encode(make_eval_result(v)), key="r")
-    sink = _Sink()
-    assert follow(config, t, [sink], StopFlag()) == 5
+    logged, sink = _follow_a_run([0, 1, 2, 3, 4], [0, 2, 4])
+    assert logged == 5
     assert held, "the race was played"
     assert sorted(v for v, is_eval in sink.logged if is_eval) == [0, 2, 4]
