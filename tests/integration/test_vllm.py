@@ -125,6 +125,37 @@ def test_the_official_openai_client_works_unchanged(server: Any) -> None:
     assert text.choices[0].finish_reason in ("stop", "length")
 
 
+def _descendants(pid: int) -> list[str]:
+    """The command lines of every process below `pid` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except (OSError, ValueError):
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        try:
+            out.append((Path("/proc") / str(child) / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
+            continue
+        todo.extend(children.get(child, []))
+    return out
+
+
+def test_on_cpu_the_model_runs_in_the_engine_core_process(server: Any) -> None:
+    """`VLLM_ENABLE_V1_MULTIPROCESSING=0` (servers.py): below the API server one vLLM process, the
+    engine core with the model runner in it; vLLM's CPU default adds a worker process
+    (`VLLM::Worker...`) that busy-polls its queue between steps. vLLM names its processes."""
+    named = [cmd.split()[0] for cmd in _descendants(server.proc.pid) if cmd.startswith("VLLM::")]
+    assert named == ["VLLM::EngineCore"], named
+
+
 def test_client_reads_prompt_ids_logprobs_at_the_temperature_and_spans(
     server: Any, sender: VLLMWeightSender
 ) -> None:
