@@ -222,11 +222,13 @@ def test_kafka_entry_point_turns_the_compose_variables_into_properties(tmp_path:
     assert props["transaction.abort.timed.out.transaction.cleanup.interval.ms"] == "5000"
     assert props["log.dirs"] == str(tmp_path / "data")
     assert "heap.opts" not in props and "cluster.id" not in props
-    assert len(props) == len([k for k in env if k.startswith("KAFKA_") and k != "KAFKA_HEAP_OPTS"])
+    jvm = ("KAFKA_HEAP_OPTS", "KAFKA_OPTS")
+    assert len(props) == len([k for k in env if k.startswith("KAFKA_") and k not in jvm])
     fmt, start = (tmp_path / "java.log").read_text().splitlines()
     assert "kafka.tools.StorageTool format --cluster-id=4L6g3nShT-eMCtK--X86sw" in fmt
     assert start.split()[:2] == ["-Xms256m", "-Xmx768m"]
     assert f"-cp {tmp_path}/libs/* kafka.Kafka {tmp_path}/config/server.properties" in start
+    assert "-XX:TieredStopAtLevel=1" in start.split(), "the compose broker runs C1 only, as the local one"
     # Formatted storage is not formatted again.
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "meta.properties").touch()
