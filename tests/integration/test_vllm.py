@@ -10,6 +10,7 @@ test pushes the weights it checks against, so the order of the tests does not ma
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -126,25 +127,17 @@ def test_the_official_openai_client_works_unchanged(server: Any) -> None:
 
 
 def _descendants(pid: int) -> list[str]:
-    """The command lines of every process below `pid` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except (OSError, ValueError):
-            continue
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], list(children.get(pid, []))
+    """The command lines of every process below `pid` (each thread's /proc `children` list: a
+    process forked by any of its threads)."""
+    out, todo = [], [pid]
     while todo:
-        child = todo.pop()
-        try:
-            out.append((Path("/proc") / str(child) / "cmdline").read_bytes().replace(b"\0", b" ").decode())
-        except OSError:
-            continue
-        todo.extend(children.get(child, []))
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                todo.extend(int(child) for child in task.read_text().split())
+        if parent != pid:
+            with contextlib.suppress(OSError):
+                out.append(Path(f"/proc/{parent}/cmdline").read_bytes().replace(b"\0", b" ").decode())
     return out
 
 
