@@ -5,15 +5,28 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from stream_rl.cli import STACKS_SIGNAL
 from stream_rl.config import ADMIN_TOKEN_ENV, RunConfig
 from stream_rl.kafka.outage import REACHABLE_WAIT_ENV
+
+
+class ChildProcess(Protocol):
+    """What supervision does with a child's process: a `subprocess.Popen`, or a
+    `stream_rl.forkserver.ForkedProcess` (a stage forked by the fork server)."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def kill(self) -> None: ...
 
 
 @dataclass
@@ -26,7 +39,7 @@ class Child:
     restartable: bool = True
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables of this child on top of the launcher's (`child_env`)."""
-    proc: subprocess.Popen[bytes] | None = None
+    proc: ChildProcess | None = None
     restarts: int = 0
     started_at: float = 0.0
 

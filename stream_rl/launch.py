@@ -66,6 +66,7 @@ class Launcher(Supervision, Scaling):
         self._launcher_port: int | None = None
         self._kafka = None
         self._scaled_servers: set[str] = set()
+        self._fork_server = None
 
     # -- preparation -----------------------------------------------------------------------
     def check_config(self) -> None:
@@ -240,6 +241,7 @@ class Launcher(Supervision, Scaling):
         try:
             return self._run()
         finally:
+            self.stop_fork_server()
             self._stop_broker()
 
     def _stop_broker(self) -> None:
@@ -265,6 +267,7 @@ class Launcher(Supervision, Scaling):
             print(f"inference engine: {self.config.inference.engine} {engine_version}", file=sys.stderr)
         self.bootstrap = self.start_broker()
         identity = self.check_identity()
+        self.start_fork_server()
         self.apply_topics()
         self.plan()
         self.check_server_ports()
@@ -310,6 +313,7 @@ class Launcher(Supervision, Scaling):
         finally:
             self.leave_scaled_servers()
             self.stop_all()
+            self.stop_fork_server()
             if self._launcher_port is not None:
                 self.write_ports(self._launcher_port)  # no pids left: the run is over
             monitor.close()

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stream_rl.children import Child, child_env, child_index, die_with_parent
 from stream_rl.config import RunConfig
@@ -20,6 +20,9 @@ from stream_rl.contracts import WeightVersionKind
 from stream_rl.errors import StreamRLError
 from stream_rl.kafka.stage import StopFlag
 from stream_rl.watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from stream_rl.forkserver import ForkServer
 
 STOP_GRACE_S = 20.0
 
@@ -38,6 +41,7 @@ class Supervision:
     stalled: str | None
     admin_token: str | None
     _launcher_port: int | None
+    _fork_server: ForkServer | None
 
     def write_ports(self, launcher_port: int) -> None:
         """processes.json (for `stream-rl status`) and prometheus-targets.json (file_sd for
@@ -85,17 +89,51 @@ class Supervision:
         return [self.server_url(i) for i in launched]
 
     # -- processes -------------------------------------------------------------------------
+    def start_fork_server(self) -> None:
+        """The fork server the CPU run's `stream-rl` children are forked from (`launcher.fork_stages`,
+        `stream_rl/forkserver.py`); it starts importing at once, while the launcher goes on."""
+        from stream_rl import forkserver
+
+        cfg = self.config
+        on_cpu = cfg.trainer.device == "cpu" and cfg.inference.device == "cpu"
+        if cfg.launcher.fork_stages == "off" or not on_cpu or not forkserver.available():
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        env = child_env(self.config, self.admin_token)
+        log = self.run_dir / "forkserver.log"
+        self._fork_server = forkserver.ForkServer.start(env, log, cfg.model.path)
+        print(
+            f"stages fork from one process that imports torch once (launcher.fork_stages: auto; its log: {log})",
+            file=sys.stderr,
+        )
+
+    def stop_fork_server(self) -> None:
+        if self._fork_server is not None:
+            self._fork_server.close()
+            self._fork_server = None
+
     def spawn(self, child: Child) -> None:
-        # The child gets its own copy of the log's file descriptor; ours closes at once.
-        with open(child.log, "ab") as log:
-            child.proc = subprocess.Popen(
-                child.cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**child_env(self.config, self.admin_token), **child.env},
-                preexec_fn=die_with_parent,
-            )
+        env = {**child_env(self.config, self.admin_token), **child.env}
+        server = self._fork_server
+        forked = False
+        if server is not None and child.dumps_stacks and child.cmd[0] == sys.executable:
+            try:
+                child.proc = server.spawn(child.cmd, env, child.log, timeout_s=self.server_startup_s)
+                forked = True
+            except OSError as exc:
+                print(f"{exc}: {child.name} and the children after it start as programs", file=sys.stderr)
+                self.stop_fork_server()
+        if not forked:
+            # The child gets its own copy of the log's file descriptor; ours closes at once.
+            with open(child.log, "ab") as log:
+                child.proc = subprocess.Popen(
+                    child.cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    preexec_fn=die_with_parent,
+                )
         child.started_at = time.monotonic()
         if self._launcher_port is not None:
             self.write_ports(self._launcher_port)  # a restarted child's new pid, for `status`

@@ -122,6 +122,9 @@ def test_short_run_through_the_launcher(
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
     run_dir = tmp_path / "runs" / run
+    # The stages and the built-in server were forked from the fork server (a CPU run's default):
+    # the replay below (a program) checks that what they trained is what a program trains.
+    assert f"launcher.fork_stages: auto; its log: {run_dir / 'forkserver.log'}" in out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_reason"] == "reached max_steps (4)"
     assert summary["versions"]["last"] == 4
@@ -177,7 +180,10 @@ def test_a_killed_stage_stops_the_run_and_is_named(
     tmp_path: Path, model_dir: Path, kafka_bootstrap: str, kafka: KafkaTransport
 ) -> None:
     run = f"e2e{os.getpid()}b"
-    config = write_config(tmp_path, model_dir, kafka_bootstrap, run, trainer__max_steps=50)
+    # Every child its own program (as on a GPU run): the path without the fork server.
+    config = write_config(
+        tmp_path, model_dir, kafka_bootstrap, run, trainer__max_steps=50, launcher__fork_stages="off"
+    )
     proc = launch(config)
     try:
         _kill_when_running(tmp_path / "runs" / run, "verifier-0", proc, kafka, run)
@@ -187,3 +193,4 @@ def test_a_killed_stage_stops_the_run_and_is_named(
             proc.kill()
     assert proc.returncode == 1, out
     assert "verifier-0 died (killed by SIGKILL)" in out
+    assert "fork_stages" not in out and not (tmp_path / "runs" / run / "forkserver.log").exists()
