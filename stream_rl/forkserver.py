@@ -100,6 +100,11 @@ def _run_child(
     """In the forked child: become `python -m stream_rl.cli *argv` and return its exit code."""
     import random
 
+    # Default dispositions before the death signal is armed: one ignored (inherited through the
+    # launcher's exec) would swallow it.
+    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     _set_pdeathsig(signal.SIGTERM)  # the server dying (it dies with the launcher) ends us
     if os.getppid() != server_pid:  # it died before the line above: as if after it
         os.kill(os.getpid(), signal.SIGTERM)
@@ -113,9 +118,6 @@ def _run_child(
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     random.seed()  # the server's RNG states would otherwise be every child's
     with contextlib.suppress(ImportError):
         import numpy as np
@@ -164,6 +166,9 @@ def serve(fd: int, modules: list[str], model_path: str | None) -> None:
     """The server's loop: fork on each request, report each child's end; returns (ending the
     server, and so, through their death signal, any children left) when the launcher's end closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
+    # SIGTERM ends the server even where the launcher was started with it ignored (an ignored
+    # signal survives exec): its death signal below must not be swallowed.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _set_pdeathsig(signal.SIGTERM)
     sock = socket.socket(fileno=fd)
     _preload(modules, model_path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import signal
 from pathlib import Path
 
 import pytest
@@ -319,7 +320,14 @@ def test_a_scoring_worker_whose_verifier_died_exits_quietly() -> None:
 
     ours, theirs = multiprocessing.Pipe()
     theirs.close()  # the verifier was SIGKILLed: the pipe is broken
-    _worker_main(ours, get_task("arithmetic", {"num_problems": 2}))  # returns, no traceback
+    # The worker ignores SIGINT and SIGTERM (its verifier owns its life); in this process that would
+    # outlive the test (and, inherited through exec, the processes later tests start).
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        _worker_main(ours, get_task("arithmetic", {"num_problems": 2}))  # returns, no traceback
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 # -- a transaction aborted by a broker outage is redone ------------------------------------------

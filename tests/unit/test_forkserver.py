@@ -121,8 +121,16 @@ def test_the_launcher_signals_the_stage_itself_and_sees_how_it_died(
         proc.kill()
 
 
-def test_children_die_with_the_server(server: forkserver.ForkServer, tmp_path: Path) -> None:
+@pytest.mark.parametrize("launcher_ignores_sigterm", [False, True])
+def test_children_die_with_the_server(tmp_path: Path, launcher_ignores_sigterm: bool) -> None:
     env = {"PATH": os.environ["PATH"], "PYTHONUNBUFFERED": "1", WAIT_ENV: "60"}
+    # An ignored SIGTERM survives exec: the server and its children must not inherit it (it would
+    # swallow their death signal; a unit test that leaked one into its xdist worker showed it).
+    saved = signal.signal(signal.SIGTERM, signal.SIG_IGN if launcher_ignores_sigterm else signal.SIG_DFL)
+    try:
+        server = forkserver.ForkServer.start(env, tmp_path / "forkserver.log", None, preload=[])
+    finally:
+        signal.signal(signal.SIGTERM, saved)
     proc = server.spawn(_lag_cmd(), env, tmp_path / "child.log")
     assert proc.poll() is None
     server.proc.kill()  # a launcher's death reaches the server the same way (its death signal)
@@ -130,6 +138,7 @@ def test_children_die_with_the_server(server: forkserver.ForkServer, tmp_path: P
     assert not Path(f"/proc/{proc.pid}").exists() or _state(proc.pid) == "Z", "ended (a zombie of init's)"
     with pytest.raises(OSError, match="ended"):
         server.spawn(_lag_cmd(), env, tmp_path / "child.log")
+    server.close()
 
 
 def test_supervision_starts_a_child_as_a_program_when_the_server_cannot_fork_it(
