@@ -18,6 +18,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from stream_rl.config import KafkaConfig
 from stream_rl.errors import KafkaError
 from stream_rl.kafka.consumer import STATIC_SESSION_TIMEOUT_MS, KafkaConsumer
+from stream_rl.kafka.leaders import UnansweredLeaders, leaders_of
 from stream_rl.kafka.librdkafka import (
     BOUNDED_GRACE_S,
     DEFAULT_COMPRESSION,
@@ -49,6 +50,10 @@ __all__ = [
 
 T = TypeVar("T")
 
+LIST_OFFSETS_TIMEOUT_S = 5.0
+"""Per try of an offsets listing (was 15): a leader librdkafka already knows to be down keeps it
+spinning this long (stream_rl/kafka/leaders.py); a slow answer is retried with backoff."""
+
 
 class KafkaTransport:
     """Factory of clients for one cluster, plus the admin calls the stages need. Every client it
@@ -75,6 +80,7 @@ class KafkaTransport:
         """librdkafka properties of every client this transport builds (`KafkaConfig.librdkafka_properties`)."""
         self._admin: AdminClient | None = None
         self._offset_readers: dict[str, ck.Consumer] = {}
+        self._unanswered = UnansweredLeaders()
 
     @property
     def admin(self) -> AdminClient:
@@ -123,13 +129,17 @@ class KafkaTransport:
         return self._retry(lambda: self._partitions(topic, timeout), f"describe {topic}")
 
     def _partitions(self, topic: str, timeout: float) -> list[int]:
+        return sorted(self._topic_metadata(topic, timeout).topics[topic].partitions)
+
+    def _topic_metadata(self, topic: str, timeout: float) -> Any:
+        """The cluster's metadata for `topic` (admin `list_topics`), which must exist."""
         md = self.admin.list_topics(topic=topic, timeout=timeout)
         t = md.topics.get(topic)
         if t is None or (t.error is not None and t.error.code() == ck.KafkaError.UNKNOWN_TOPIC_OR_PART):
             raise KafkaError(f"topic {topic} does not exist (run `stream-rl topics apply --run <run>`)")
         if t.error is not None:
             raise TransientKafkaError(t.error.str())  # e.g. no leader yet, right after a restart
-        return sorted(t.partitions)
+        return md
 
     def replication_factor(self, topic: str) -> int:
         """Replicas of the topic's partitions (the smallest, should they differ)."""
@@ -152,16 +162,26 @@ class KafkaTransport:
     def _watermarks(self, topic: str) -> dict[int, tuple[int, int]]:
         from confluent_kafka.admin import OffsetSpec
 
-        parts = self._partitions(topic, 10.0)
-        out: dict[int, tuple[int, int]] = {p: (0, 0) for p in parts}
+        md = self._topic_metadata(topic, 10.0)
+        leaders = leaders_of(md, topic)
+        # A leader that gave no offset last time is asked only once it accepts connections again:
+        # librdkafka's ListOffsets spins on a dead leader until its timeout (stream_rl/kafka/leaders.py).
+        self._unanswered.check(topic, leaders)
+        out: dict[int, tuple[int, int]] = {p: (0, 0) for p in leaders}
         for idx, spec in enumerate((OffsetSpec.earliest(), OffsetSpec.latest())):
             futs = self.admin.list_offsets(
-                {ck.TopicPartition(topic, p): spec for p in parts},
+                {ck.TopicPartition(topic, p): spec for p in leaders},
                 isolation_level=ck.IsolationLevel.READ_COMMITTED,
-                request_timeout=15,
+                request_timeout=LIST_OFFSETS_TIMEOUT_S,
             )
             for tp, fut in futs.items():
                 off = fut.result().offset
+                if off < 0:  # librdkafka's "no offset" (-1001) for a leader that did not answer
+                    node = leaders[tp.partition]
+                    self._unanswered.record(node, md.brokers)
+                    raise TransientKafkaError(
+                        f"{topic} partition {tp.partition}: its leader (node {node}) gave no offset"
+                    )
                 low, high = out[tp.partition]
                 out[tp.partition] = (off, high) if idx == 0 else (low, off)
         return out

@@ -1,0 +1,67 @@
+"""Partition leaders that stopped answering, remembered between tries of an offsets listing.
+
+librdkafka 2.16's admin ListOffsets busy-waits while a partition's leader is down: it asks the
+broker thread to connect, the connection is refused at once, the state change wakes the request,
+which asks again (`LISTOFFSETS worker called in state waiting for broker`, ~600,000 log lines in
+15 s), keeping a core half busy until the request times out; then it reports offset -1001 for that
+partition with no error. On a replicated cluster a leader's death is that case until the
+controller fences it (`broker.session.timeout.ms`, 9 s by default) and elects another: every
+process listing offsets (the actor's admission, the trainer, the launcher's lag monitor) spun
+through it (the launcher alone: 109 CPU-s in one cluster-chaos run on 2 cores).
+
+`UnansweredLeaders` remembers a leader whose listing came back without an offset; the next tries
+first check that it accepts TCP connections (plain `connect`, nothing sent) and wait it out
+(`TransientKafkaError`, the caller's backoff) while it refuses them and the metadata still names
+it, instead of handing librdkafka a request to spin on. Leaders that answer are never probed.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+from stream_rl.kafka.outage import TransientKafkaError
+
+PROBE_TIMEOUT_S = 1.0
+
+
+def leaders_of(metadata: Any, topic: str) -> dict[int, int]:
+    """partition -> leader node id, from an admin `list_topics` answer; a partition without a
+    leader (-1, as after an election that has not finished) is a transient condition."""
+    parts = metadata.topics[topic].partitions
+    leaders = {p: int(parts[p].leader) for p in sorted(parts)}
+    missing = sorted(p for p, node in leaders.items() if node < 0)
+    if missing:
+        raise TransientKafkaError(f"{topic} partition(s) {missing} have no leader")
+    return leaders
+
+
+class UnansweredLeaders:
+    """Leaders (node id -> host, port) whose offsets listing came back empty-handed."""
+
+    def __init__(self) -> None:
+        self._nodes: dict[int, tuple[str, int]] = {}
+
+    def __contains__(self, node: int) -> bool:
+        return node in self._nodes
+
+    def record(self, node: int, brokers: Mapping[int, Any]) -> None:
+        broker = brokers.get(node)
+        if broker is not None:
+            self._nodes[node] = (str(broker.host), int(broker.port))
+
+    def check(self, topic: str, leaders: Mapping[int, int]) -> None:
+        """Raise `TransientKafkaError` while a remembered leader of `topic` refuses connections;
+        forget those that accept them again."""
+        for node in sorted(set(leaders.values()) & set(self._nodes)):
+            host, port = self._nodes[node]
+            try:
+                socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S).close()
+            except OSError as exc:
+                parts = sorted(p for p, n in leaders.items() if n == node)
+                raise TransientKafkaError(
+                    f"node {node} ({host}:{port}), the leader of {topic} partition(s) {parts}, "
+                    f"does not accept connections ({exc.strerror or exc})"
+                ) from exc
+            del self._nodes[node]
