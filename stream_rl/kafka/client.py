@@ -18,7 +18,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from stream_rl.config import KafkaConfig
 from stream_rl.errors import KafkaError
 from stream_rl.kafka.consumer import STATIC_SESSION_TIMEOUT_MS, KafkaConsumer
-from stream_rl.kafka.leaders import UnansweredLeaders, leaders_of
+from stream_rl.kafka.leaders import LeaderHealth, leaders_of
 from stream_rl.kafka.librdkafka import (
     BOUNDED_GRACE_S,
     DEFAULT_COMPRESSION,
@@ -80,12 +80,18 @@ class KafkaTransport:
         """librdkafka properties of every client this transport builds (`KafkaConfig.librdkafka_properties`)."""
         self._admin: AdminClient | None = None
         self._offset_readers: dict[str, ck.Consumer] = {}
-        self._unanswered = UnansweredLeaders()
+        self._leaders = LeaderHealth()
 
     @property
     def admin(self) -> AdminClient:
         if self._admin is None:
-            conf: dict[str, Any] = {"bootstrap.servers": self.bootstrap, "logger": CLIENT_LOG}
+            conf: dict[str, Any] = {
+                "bootstrap.servers": self.bootstrap,
+                "logger": CLIENT_LOG,
+                # Which brokers' connections dropped: offsets listings check those leaders first.
+                "statistics.interval.ms": LeaderHealth.STATS_INTERVAL_MS,
+                "stats_cb": self._leaders.update,
+            }
             self._admin = build_client(AdminClient, {**conf, **client_conf(self.properties)})
         return self._admin
 
@@ -164,9 +170,10 @@ class KafkaTransport:
 
         md = self._topic_metadata(topic, 10.0)
         leaders = leaders_of(md, topic)
-        # A leader that gave no offset last time is asked only once it accepts connections again:
-        # librdkafka's ListOffsets spins on a dead leader until its timeout (stream_rl/kafka/leaders.py).
-        self._unanswered.check(topic, leaders)
+        # A leader whose connection dropped or that gave no offset is asked only once it accepts
+        # connections: librdkafka's ListOffsets spins on a dead leader (stream_rl/kafka/leaders.py).
+        self.admin.poll(0)  # its latest statistics
+        self._leaders.check(topic, leaders)
         out: dict[int, tuple[int, int]] = {p: (0, 0) for p in leaders}
         for idx, spec in enumerate((OffsetSpec.earliest(), OffsetSpec.latest())):
             futs = self.admin.list_offsets(
@@ -178,7 +185,7 @@ class KafkaTransport:
                 off = fut.result().offset
                 if off < 0:  # librdkafka's "no offset" (-1001) for a leader that did not answer
                     node = leaders[tp.partition]
-                    self._unanswered.record(node, md.brokers)
+                    self._leaders.record(node, md.brokers)
                     raise TransientKafkaError(
                         f"{topic} partition {tp.partition}: its leader (node {node}) gave no offset"
                     )

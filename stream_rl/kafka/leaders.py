@@ -9,14 +9,17 @@ controller fences it (`broker.session.timeout.ms`, 9 s by default) and elects an
 process listing offsets (the actor's admission, the trainer, the launcher's lag monitor) spun
 through it (the launcher alone: 109 CPU-s in one cluster-chaos run on 2 cores).
 
-`UnansweredLeaders` remembers a leader whose listing came back without an offset; the next tries
-first check that it accepts TCP connections (plain `connect`, nothing sent) and wait it out
-(`TransientKafkaError`, the caller's backoff) while it refuses them and the metadata still names
-it, instead of handing librdkafka a request to spin on. Leaders that answer are never probed.
+`LeaderHealth` knows the leaders to doubt: those whose connection the admin client saw drop (its
+statistics, every second: state not `UP` after a disconnect) and those whose listing came back
+without an offset. Before a listing it checks that each doubted leader of the topic accepts TCP
+connections (plain `connect`, nothing sent) and waits it out (`TransientKafkaError`, the caller's
+backoff) while it refuses them and the metadata still names it, instead of handing librdkafka a
+request to spin on. Leaders whose connections stay up are never probed.
 """
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import Mapping
 from typing import Any
@@ -37,25 +40,42 @@ def leaders_of(metadata: Any, topic: str) -> dict[int, int]:
     return leaders
 
 
-class UnansweredLeaders:
-    """Leaders (node id -> host, port) whose offsets listing came back empty-handed."""
+class LeaderHealth:
+    """Leaders (node id -> host, port) to doubt before an offsets listing."""
+
+    STATS_INTERVAL_MS = 1000
+    """`statistics.interval.ms` of the admin client whose `stats_cb` is `update`."""
 
     def __init__(self) -> None:
-        self._nodes: dict[int, tuple[str, int]] = {}
+        self._unanswered: dict[int, tuple[str, int]] = {}
+        self._dropped: dict[int, tuple[str, int]] = {}
 
     def __contains__(self, node: int) -> bool:
-        return node in self._nodes
+        return node in self._unanswered or node in self._dropped
+
+    def update(self, stats_json: str) -> None:
+        """librdkafka's statistics (`stats_cb`): the brokers whose connection dropped and is not
+        back up (`state` INIT, DOWN, CONNECT... after a disconnect)."""
+        dropped: dict[int, tuple[str, int]] = {}
+        for broker in json.loads(stats_json).get("brokers", {}).values():
+            node = int(broker.get("nodeid", -1))
+            host, _, port = str(broker.get("nodename", "")).rpartition(":")
+            if node >= 0 and broker.get("state") != "UP" and broker.get("disconnects", 0) and port.isdigit():
+                dropped[node] = (host, int(port))
+        self._dropped = dropped  # one assignment: a reader on another thread sees either map
 
     def record(self, node: int, brokers: Mapping[int, Any]) -> None:
+        """`node` led a partition whose listing came back without an offset."""
         broker = brokers.get(node)
         if broker is not None:
-            self._nodes[node] = (str(broker.host), int(broker.port))
+            self._unanswered[node] = (str(broker.host), int(broker.port))
 
     def check(self, topic: str, leaders: Mapping[int, int]) -> None:
-        """Raise `TransientKafkaError` while a remembered leader of `topic` refuses connections;
-        forget those that accept them again."""
-        for node in sorted(set(leaders.values()) & set(self._nodes)):
-            host, port = self._nodes[node]
+        """Raise `TransientKafkaError` while a doubted leader of `topic` refuses connections;
+        forget the unanswered ones that accept them again."""
+        dropped = self._dropped
+        for node in sorted(set(leaders.values()) & (set(self._unanswered) | set(dropped))):
+            host, port = self._unanswered.get(node) or dropped[node]
             try:
                 socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S).close()
             except OSError as exc:
@@ -64,4 +84,4 @@ class UnansweredLeaders:
                     f"node {node} ({host}:{port}), the leader of {topic} partition(s) {parts}, "
                     f"does not accept connections ({exc.strerror or exc})"
                 ) from exc
-            del self._nodes[node]
+            self._unanswered.pop(node, None)

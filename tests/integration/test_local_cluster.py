@@ -16,6 +16,7 @@ import pytest
 from stream_rl.kafka.broker import free_port
 from stream_rl.kafka.client import KafkaTransport
 from stream_rl.kafka.cluster import LocalCluster, cluster_layout
+from stream_rl.kafka.leaders import LeaderHealth
 from stream_rl.kafka.topics import TRAINING_BATCHES, TopicNames, apply_topics
 
 pytestmark = pytest.mark.integration
@@ -50,13 +51,16 @@ def test_a_killed_leader_loses_no_acknowledged_record(cluster: LocalCluster, tmp
         producer.produce(topic, str(i).encode(), key="k")
     producer.flush()
     leader = _leader(kafka, topic)
+    assert kafka.watermarks(topic) == {0: (0, 20)}  # the admin client is connected to the leader
     killed = cluster.node(leader - 1)
     st = killed.running()
     assert st is not None
     os.kill(st.pid, signal.SIGKILL)
-    # Listing offsets while the metadata still names the dead leader: the true offsets, once
-    # another node leads, and no busy wait meanwhile (librdkafka's ListOffsets alone answers -1001
-    # at once, or spins half a core until its timeout: stream_rl/kafka/leaders.py).
+    # Listing offsets while the metadata still names the dead leader, whose dropped connection the
+    # admin client has seen: the true offsets, once another node leads, and no busy wait meanwhile
+    # (librdkafka's ListOffsets alone spins half a core until its timeout, then answers -1001:
+    # stream_rl/kafka/leaders.py).
+    time.sleep(2 * LeaderHealth.STATS_INTERVAL_MS / 1000)
     cpu = time.process_time()
     assert kafka.watermarks(topic) == {0: (0, 20)}
     cpu = time.process_time() - cpu
