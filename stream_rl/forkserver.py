@@ -273,7 +273,10 @@ class ForkServer:
         with open(os.devnull, "rb") as stdin, open(log, "ab") as out, self._changed:
             if self._closed:
                 raise OSError("the fork server has ended")
-            socket.send_fds(self._sock, [json.dumps(request).encode()], [stdin.fileno(), out.fileno()])
+            try:
+                socket.send_fds(self._sock, [json.dumps(request).encode()], [stdin.fileno(), out.fileno()])
+            except ConnectionError as exc:  # it died before the reader saw its end
+                raise OSError("the fork server has ended") from exc
             deadline = time.monotonic() + timeout_s
             while not self._answers:
                 left = deadline - time.monotonic()

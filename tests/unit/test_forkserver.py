@@ -157,7 +157,8 @@ def test_supervision_starts_a_child_as_a_program_when_the_server_cannot_fork_it(
     assert child.proc.wait(10) == -signal.SIGKILL
     server.proc.kill()
     server.proc.wait()
-    assert _until(lambda: not server.alive)
+    # At once: its reader thread may not have seen the end yet (then the request meets a closed
+    # socket); either way the same message.
     sup.spawn(child)  # the restart: as a program, and the server is let go
     try:
         assert isinstance(child.proc, subprocess.Popen), child.proc
