@@ -50,10 +50,6 @@ __all__ = [
 
 T = TypeVar("T")
 
-LIST_OFFSETS_TIMEOUT_S = 5.0
-"""Per try of an offsets listing (was 15): a leader librdkafka already knows to be down keeps it
-spinning this long (stream_rl/kafka/leaders.py); a slow answer is retried with backoff."""
-
 
 class KafkaTransport:
     """Factory of clients for one cluster, plus the admin calls the stages need. Every client it
@@ -85,13 +81,7 @@ class KafkaTransport:
     @property
     def admin(self) -> AdminClient:
         if self._admin is None:
-            conf: dict[str, Any] = {
-                "bootstrap.servers": self.bootstrap,
-                "logger": CLIENT_LOG,
-                # Which brokers' connections dropped: offsets listings check those leaders first.
-                "statistics.interval.ms": LeaderHealth.STATS_INTERVAL_MS,
-                "stats_cb": self._leaders.update,
-            }
+            conf: dict[str, Any] = {"bootstrap.servers": self.bootstrap, "logger": CLIENT_LOG}
             self._admin = build_client(AdminClient, {**conf, **client_conf(self.properties)})
         return self._admin
 
@@ -170,19 +160,23 @@ class KafkaTransport:
 
         md = self._topic_metadata(topic, 10.0)
         leaders = leaders_of(md, topic)
-        # A leader whose connection dropped or that gave no offset is asked only once it accepts
+        # Short tries, and a leader that gave no offset is asked again only once it accepts
         # connections: librdkafka's ListOffsets spins on a dead leader (stream_rl/kafka/leaders.py).
-        self.admin.poll(0)  # its latest statistics
-        self._leaders.check(topic, leaders)
+        timeout = self._leaders.check(topic, leaders)
         out: dict[int, tuple[int, int]] = {p: (0, 0) for p in leaders}
         for idx, spec in enumerate((OffsetSpec.earliest(), OffsetSpec.latest())):
             futs = self.admin.list_offsets(
                 {ck.TopicPartition(topic, p): spec for p in leaders},
                 isolation_level=ck.IsolationLevel.READ_COMMITTED,
-                request_timeout=LIST_OFFSETS_TIMEOUT_S,
+                request_timeout=timeout,
             )
             for tp, fut in futs.items():
-                off = fut.result().offset
+                try:
+                    off = fut.result().offset
+                except ck.KafkaException as exc:
+                    if exc.args and exc.args[0].code() == ck.KafkaError._TIMED_OUT:
+                        self._leaders.record(leaders[tp.partition], md.brokers)
+                    raise
                 if off < 0:  # librdkafka's "no offset" (-1001) for a leader that did not answer
                     node = leaders[tp.partition]
                     self._leaders.record(node, md.brokers)

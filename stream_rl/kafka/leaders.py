@@ -9,24 +9,29 @@ controller fences it (`broker.session.timeout.ms`, 9 s by default) and elects an
 process listing offsets (the actor's admission, the trainer, the launcher's lag monitor) spun
 through it (the launcher alone: 109 CPU-s in one cluster-chaos run on 2 cores).
 
-`LeaderHealth` knows the leaders to doubt: those whose connection the admin client saw drop (its
-statistics, every second: state not `UP` after a disconnect) and those whose listing came back
-without an offset. Before a listing it checks that each doubted leader of the topic accepts TCP
-connections (plain `connect`, nothing sent) and waits it out (`TransientKafkaError`, the caller's
-backoff) while it refuses them and the metadata still names it, instead of handing librdkafka a
-request to spin on. Leaders whose connections stay up are never probed.
+So a try gets `FIRST_TRY_TIMEOUT_S`, which bounds that spin; a leader that gave no offset in time
+is remembered (`LeaderHealth.record`), and the next tries first check that it accepts TCP
+connections (plain `connect`, nothing sent): while it refuses them and the metadata still names
+it, they wait (`TransientKafkaError`, the caller's backoff) instead of handing librdkafka a request
+to spin on. A leader that accepts them was only slow: its tries get `SLOW_TRY_TIMEOUT_S` for a
+while. Leaders that answer in time are never probed.
 """
 
 from __future__ import annotations
 
-import json
 import socket
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from stream_rl.kafka.outage import TransientKafkaError
 
 PROBE_TIMEOUT_S = 1.0
+FIRST_TRY_TIMEOUT_S = 0.5
+"""A listing's request timeout, as long as its leaders answer in time (they take milliseconds)."""
+SLOW_TRY_TIMEOUT_S = 5.0
+"""... and for `SLOW_FOR_S` after a leader that missed it turned out to accept connections."""
+SLOW_FOR_S = 60.0
 
 
 def leaders_of(metadata: Any, topic: str) -> dict[int, int]:
@@ -41,41 +46,28 @@ def leaders_of(metadata: Any, topic: str) -> dict[int, int]:
 
 
 class LeaderHealth:
-    """Leaders (node id -> host, port) to doubt before an offsets listing."""
-
-    STATS_INTERVAL_MS = 1000
-    """`statistics.interval.ms` of the admin client whose `stats_cb` is `update`."""
+    """Leaders (node id -> host, port) that gave no offset in time, and those found only slow."""
 
     def __init__(self) -> None:
         self._unanswered: dict[int, tuple[str, int]] = {}
-        self._dropped: dict[int, tuple[str, int]] = {}
+        self._slow_until: dict[int, float] = {}
 
     def __contains__(self, node: int) -> bool:
-        return node in self._unanswered or node in self._dropped
-
-    def update(self, stats_json: str) -> None:
-        """librdkafka's statistics (`stats_cb`): the brokers whose connection dropped and is not
-        back up (`state` INIT, DOWN, CONNECT... after a disconnect)."""
-        dropped: dict[int, tuple[str, int]] = {}
-        for broker in json.loads(stats_json).get("brokers", {}).values():
-            node = int(broker.get("nodeid", -1))
-            host, _, port = str(broker.get("nodename", "")).rpartition(":")
-            if node >= 0 and broker.get("state") != "UP" and broker.get("disconnects", 0) and port.isdigit():
-                dropped[node] = (host, int(port))
-        self._dropped = dropped  # one assignment: a reader on another thread sees either map
+        return node in self._unanswered
 
     def record(self, node: int, brokers: Mapping[int, Any]) -> None:
-        """`node` led a partition whose listing came back without an offset."""
+        """`node` led a partition whose listing came back without an offset, or timed out."""
         broker = brokers.get(node)
         if broker is not None:
             self._unanswered[node] = (str(broker.host), int(broker.port))
 
-    def check(self, topic: str, leaders: Mapping[int, int]) -> None:
-        """Raise `TransientKafkaError` while a doubted leader of `topic` refuses connections;
-        forget the unanswered ones that accept them again."""
-        dropped = self._dropped
-        for node in sorted(set(leaders.values()) & (set(self._unanswered) | set(dropped))):
-            host, port = self._unanswered.get(node) or dropped[node]
+    def check(self, topic: str, leaders: Mapping[int, int]) -> float:
+        """The request timeout for a listing of `topic` now. Raises `TransientKafkaError` while a
+        remembered leader of it refuses connections; one that accepts them is forgotten, and
+        given `SLOW_TRY_TIMEOUT_S` for `SLOW_FOR_S`."""
+        now = time.monotonic()
+        for node in sorted(set(leaders.values()) & set(self._unanswered)):
+            host, port = self._unanswered[node]
             try:
                 socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S).close()
             except OSError as exc:
@@ -84,4 +76,7 @@ class LeaderHealth:
                     f"node {node} ({host}:{port}), the leader of {topic} partition(s) {parts}, "
                     f"does not accept connections ({exc.strerror or exc})"
                 ) from exc
-            self._unanswered.pop(node, None)
+            del self._unanswered[node]
+            self._slow_until[node] = now + SLOW_FOR_S
+        slow = any(self._slow_until.get(node, 0.0) > now for node in leaders.values())
+        return SLOW_TRY_TIMEOUT_S if slow else FIRST_TRY_TIMEOUT_S

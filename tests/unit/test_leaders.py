@@ -1,16 +1,15 @@
-"""Leaders to doubt before an offsets listing (stream_rl/kafka/leaders.py): those whose connection
-dropped (the admin client's statistics) or that gave no offset are asked only once they accept
-connections; a partition without a leader is a transient condition."""
+"""Leaders that gave no offset in time (stream_rl/kafka/leaders.py): asked again only once they
+accept connections, then with the longer timeout for a while; a partition without a leader is a
+transient condition."""
 
 from __future__ import annotations
 
-import json
 import socket
 from types import SimpleNamespace
 
 import pytest
 
-from stream_rl.kafka.leaders import LeaderHealth, leaders_of
+from stream_rl.kafka.leaders import FIRST_TRY_TIMEOUT_S, SLOW_TRY_TIMEOUT_S, LeaderHealth, leaders_of
 from stream_rl.kafka.outage import TransientKafkaError
 
 pytestmark = pytest.mark.unit
@@ -19,18 +18,6 @@ pytestmark = pytest.mark.unit
 def _metadata(leaders: dict[int, int]) -> SimpleNamespace:
     parts = {p: SimpleNamespace(leader=node) for p, node in leaders.items()}
     return SimpleNamespace(topics={"t": SimpleNamespace(partitions=parts)})
-
-
-def _stats(**brokers: tuple[int, str, int]) -> str:
-    """librdkafka's statistics JSON, its `brokers` part: name -> (nodeid, state, disconnects)."""
-    return json.dumps(
-        {
-            "brokers": {
-                f"{name}/{node}": {"nodeid": node, "nodename": name, "state": state, "disconnects": drops}
-                for name, (node, state, drops) in brokers.items()
-            }
-        }
-    )
 
 
 def test_leaders_of_names_each_partitions_leader_and_waits_out_an_election() -> None:
@@ -44,7 +31,8 @@ def test_a_leader_that_gave_no_offset_is_probed_until_it_accepts_connections() -
     port = listener.getsockname()[1]
     brokers = {2: SimpleNamespace(host="127.0.0.1", port=port), 3: SimpleNamespace(host="127.0.0.1", port=1)}
     health = LeaderHealth()
-    health.check("t", {0: 2, 1: 3})  # nothing doubted: nothing probed (port 1 refuses), nothing raised
+    # Nothing remembered: nothing probed (port 1 refuses), the short timeout.
+    assert health.check("t", {0: 2, 1: 3}) == FIRST_TRY_TIMEOUT_S
     health.record(2, brokers)
     health.record(7, brokers)  # not in the metadata's brokers: nothing to probe
     assert 2 in health and 7 not in health
@@ -53,28 +41,13 @@ def test_a_leader_that_gave_no_offset_is_probed_until_it_accepts_connections() -
         TransientKafkaError, match=r"node 2 \(127.0.0.1:\d+\), the leader of t partition\(s\) \[0\]"
     ):
         health.check("t", {0: 2, 1: 3})
-    health.check("t", {0: 3, 1: 3})  # another node leads now: node 2 is not asked
+    assert health.check("t", {0: 3, 1: 3}) == FIRST_TRY_TIMEOUT_S  # another node leads: 2 not asked
     assert 2 in health
-    listener = socket.create_server(("127.0.0.1", port))  # node 2 is back
+    listener = socket.create_server(("127.0.0.1", port))  # node 2 is back: it was only slow
     try:
-        health.check("t", {0: 2, 1: 3})
+        assert health.check("t", {0: 2, 1: 3}) == SLOW_TRY_TIMEOUT_S
     finally:
         listener.close()
     assert 2 not in health, "forgotten once it answers"
-
-
-def test_a_leader_whose_connection_dropped_is_probed_while_it_is_not_back_up() -> None:
-    health = LeaderHealth()
-    never = "127.0.0.1:1"  # nothing listens on port 1
-    health.update(_stats(**{never: (3, "INIT", 0)}))  # never connected: nothing known against it
-    health.check("t", {0: 3})
-    health.update(_stats(**{never: (3, "UP", 1)}))  # dropped once, connected again
-    health.check("t", {0: 3})
-    health.update(_stats(**{never: (3, "INIT", 1)}))  # dropped, not back
-    assert 3 in health
-    with pytest.raises(
-        TransientKafkaError, match=r"node 3 \(127.0.0.1:1\), the leader of t partition\(s\) \[0\]"
-    ):
-        health.check("t", {0: 3})
-    health.update(_stats(**{never: (3, "UP", 1)}))
-    assert 3 not in health
+    assert health.check("t", {0: 2}) == SLOW_TRY_TIMEOUT_S, "the longer timeout for a while"
+    assert health.check("t", {0: 3}) == FIRST_TRY_TIMEOUT_S
