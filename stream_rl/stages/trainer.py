@@ -474,10 +474,15 @@ def main(args: argparse.Namespace) -> int:
         deepspeed_backend.init_distributed(config.trainer.device)
         if deepspeed_backend.is_follower():
             deepspeed_backend.follow(config)
+            deepspeed_backend.shutdown()
             return 0
     port = args.metrics_port if args.metrics_port is not None else config.trainer.metrics_port
     stop = start_stage(STAGE, port)
     stats = run(config, stop=stop, max_steps=args.max_steps, idle_timeout_s=args.idle_timeout)
+    if config.trainer.backend == "deepspeed":
+        from stream_rl.train import deepspeed_backend
+
+        deepspeed_backend.shutdown()
     print(
         f"trainer stopped ({stats.stopped_by}): version {stats.version}, {stats.steps} steps, "
         f"{stats.micro_batches} micro-batches, {stats.dlq} to the DLQ, checksum {stats.checksum[:16]}"

@@ -342,6 +342,16 @@ def init_distributed(device: str) -> None:
         deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
 
 
+def shutdown() -> None:
+    """Destroy this rank's process groups at a normal end (rank 0 after its run, the others after
+    STOP). A gloo group left to the interpreter's exit can abort the process there (SIGABRT,
+    `terminate called without an active exception`: its worker threads release tensors after the
+    interpreter is gone, pytorch/pytorch#190489), which torchrun reports as the launch failing
+    (seen once in CI: rank 1 of the ZeRO-3 test, after its last version)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def build_deepspeed_trainer(config: RunConfig, weights: str | Path | None = None) -> DeepSpeedTrainer:
     """The model (`weights`, default `model.path`) wrapped in a ZeRO engine (`trainer.zero_stage`);
     every rank calls this, in the same order."""
