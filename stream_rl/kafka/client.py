@@ -50,6 +50,11 @@ __all__ = [
 
 T = TypeVar("T")
 
+PROPAGATION_S = 30.0
+"""How long after this transport created a topic a broker that does not know it yet is waited
+for, rather than the topic called missing: KRaft brokers learn a new topic from the metadata log
+each at its own pace (librdkafka's `topic.metadata.propagation.max.ms`, same default)."""
+
 
 class KafkaTransport:
     """Factory of clients for one cluster, plus the admin calls the stages need. Every client it
@@ -77,6 +82,8 @@ class KafkaTransport:
         self._admin: AdminClient | None = None
         self._offset_readers: dict[str, ck.Consumer] = {}
         self._leaders = LeaderHealth()
+        self._created: dict[str, float] = {}
+        """Topics this transport created, and when (monotonic): see PROPAGATION_S."""
 
     @property
     def admin(self) -> AdminClient:
@@ -132,9 +139,14 @@ class KafkaTransport:
         md = self.admin.list_topics(topic=topic, timeout=timeout)
         t = md.topics.get(topic)
         if t is None or (t.error is not None and t.error.code() == ck.KafkaError.UNKNOWN_TOPIC_OR_PART):
+            age = time.monotonic() - self._created.get(topic, -PROPAGATION_S)
+            if age < PROPAGATION_S:  # the answering broker has not caught up with the controller
+                raise TransientKafkaError(
+                    f"topic {topic}, created {age:.1f}s ago, not known yet to every broker"
+                )
             raise KafkaError(f"topic {topic} does not exist (run `stream-rl topics apply --run <run>`)")
-        if t.error is not None:
-            raise TransientKafkaError(t.error.str())  # e.g. no leader yet, right after a restart
+        if t.error is not None or not t.partitions:
+            raise TransientKafkaError(t.error.str() if t.error else f"{topic}: no partitions listed yet")
         return md
 
     def replication_factor(self, topic: str) -> int:
@@ -142,11 +154,8 @@ class KafkaTransport:
         return self._retry(lambda: self._replication_factor(topic), f"describe {topic}")
 
     def _replication_factor(self, topic: str) -> int:
-        md = self.admin.list_topics(topic=topic, timeout=10.0)
-        t = md.topics.get(topic)
-        if t is None or t.error is not None or not t.partitions:
-            raise KafkaError(f"topic {topic} does not exist (run `stream-rl topics apply --run <run>`)")
-        return min(len(p.replicas) for p in t.partitions.values())
+        partitions = self._topic_metadata(topic, 10.0).topics[topic].partitions
+        return min(len(p.replicas) for p in partitions.values())
 
     def broker_count(self) -> int:
         """Brokers in the cluster's metadata."""
@@ -245,6 +254,7 @@ class KafkaTransport:
             try:
                 fut.result()
                 created.append(name)
+                self._created[name] = time.monotonic()
             except ck.KafkaException as exc:
                 if exc.args[0].code() != ck.KafkaError.TOPIC_ALREADY_EXISTS:
                     raise fail(f"create topic {name}", exc) from exc

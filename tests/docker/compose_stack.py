@@ -47,16 +47,22 @@ def sh(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 600, 
     return proc.stdout
 
 
-def host_network_state() -> dict[str, str]:
+def host_network_state() -> dict[str, set[str]]:
     """What a Docker engine could leave on the host: firewall rules, interfaces, forwarding."""
     links = sh(["ip", "-o", "link", "show"])
     return {
-        "iptables": sh(["iptables", "-S"]),
-        "iptables nat": sh(["iptables", "-t", "nat", "-S"]),
-        "ip6tables": sh(["ip6tables", "-S"]),
-        "interfaces": " ".join(sorted(m.group(1) for m in re.finditer(r"^\d+: ([^:@]+)", links, re.M))),
-        "ip_forward": Path("/proc/sys/net/ipv4/ip_forward").read_text().strip(),
+        "iptables": set(sh(["iptables", "-S"]).splitlines()),
+        "iptables nat": set(sh(["iptables", "-t", "nat", "-S"]).splitlines()),
+        "ip6tables": set(sh(["ip6tables", "-S"]).splitlines()),
+        "interfaces": {m.group(1) for m in re.finditer(r"^\d+: ([^:@]+)", links, re.M)},
+        "ip_forward": {Path("/proc/sys/net/ipv4/ip_forward").read_text().strip()},
     }
+
+
+def left_behind(before: dict[str, set[str]], after: dict[str, set[str]]) -> dict[str, list[str]]:
+    """What `after` has that `before` had not. Not equality: an engine starting on the shared data
+    root removes what a killed earlier one left (its bridge and veths), so `before` may hold more."""
+    return {key: sorted(after[key] - before[key]) for key in before if after[key] - before[key]}
 
 
 def models_volume() -> str:
@@ -71,7 +77,7 @@ class Engine:
     """The test's own dockerd: `up` starts it (waiting while another stream-rl engine holds the
     shared data root), `down` stops it by its pid and removes what it made."""
 
-    before: dict[str, str]
+    before: dict[str, set[str]]
     """host_network_state() before the engine started."""
     run_dir: str = field(default_factory=lambda: f"/run/stream-rl-docker-test-{os.getpid()}")
     env: dict[str, str] = field(default_factory=dict)

@@ -1,14 +1,18 @@
 """Leaders that gave no offset in time (stream_rl/kafka/leaders.py): asked again only once they
 accept connections, then with the longer timeout for a while; a partition without a leader is a
-transient condition."""
+transient condition; a topic this transport created a moment ago is waited for on a broker that
+has not learned it yet."""
 
 from __future__ import annotations
 
 import socket
+import time
 from types import SimpleNamespace
 
 import pytest
 
+from stream_rl.errors import KafkaError
+from stream_rl.kafka.client import KafkaTransport
 from stream_rl.kafka.leaders import FIRST_TRY_TIMEOUT_S, SLOW_TRY_TIMEOUT_S, LeaderHealth, leaders_of
 from stream_rl.kafka.outage import TransientKafkaError
 
@@ -51,3 +55,33 @@ def test_a_leader_that_gave_no_offset_is_probed_until_it_accepts_connections() -
     assert 2 not in health, "forgotten once it answers"
     assert health.check("t", {0: 2}) == SLOW_TRY_TIMEOUT_S, "the longer timeout for a while"
     assert health.check("t", {0: 3}) == FIRST_TRY_TIMEOUT_S
+
+
+class _LaggingAdmin:
+    """An admin client whose answering broker learns topic `t` only on its `known_after`th question."""
+
+    def __init__(self, known_after: int) -> None:
+        self.asked = 0
+        self.known_after = known_after
+
+    def list_topics(self, topic: str, timeout: float) -> SimpleNamespace:
+        self.asked += 1
+        if self.asked < self.known_after:
+            return SimpleNamespace(topics={})
+        replicas = SimpleNamespace(leader=1, replicas=[1, 2, 3])
+        return SimpleNamespace(topics={topic: SimpleNamespace(error=None, partitions={0: replicas})})
+
+    def poll(self, timeout: float) -> int:
+        return 0
+
+
+def test_a_topic_this_transport_just_created_is_waited_for_not_called_missing() -> None:
+    kafka = KafkaTransport("b:9092", outage_s=5.0)
+    lagging = _LaggingAdmin(known_after=3)
+    kafka._admin = lagging  # type: ignore[assignment]
+    with pytest.raises(KafkaError, match=r"topic t does not exist \(run `stream-rl topics apply"):
+        kafka.replication_factor("t")  # nobody here created it: missing at the first answer
+    assert lagging.asked == 1
+    kafka._created["t"] = time.monotonic()  # what create_topics records
+    assert kafka.replication_factor("t") == 3  # asked again until the broker caught up
+    assert lagging.asked == 3
