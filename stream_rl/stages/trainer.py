@@ -43,6 +43,7 @@ For `replay trainer` the first start writes the run record (`stream_rl.train.rec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import time
 from collections import deque
@@ -395,11 +396,13 @@ class TrainerStage:
             finally:
                 UP.labels(STAGE).set(0)
                 trainer: TrainerBackend | None = getattr(self, "trainer", None)
-                for closer in (trainer, consumer, producer, self.servers):
-                    if closer is not None:
-                        closer.close()  # DeepSpeed: releases the other ranks
-                if self._evals is not None:
-                    self._evals.stop()
+                # Each is closed even when one before it raises (the first error is raised after).
+                with contextlib.ExitStack() as closing:
+                    if self._evals is not None:
+                        closing.callback(self._evals.stop)
+                    for closer in (self.servers, producer, consumer, trainer):  # closed last to first
+                        if closer is not None:
+                            closing.callback(closer.close)  # DeepSpeed: releases the other ranks
         self.stats.restarted_servers = self.servers.restarted
         self.stats.version = self.state.version
         self.stats.checksum = self.state.checksum

@@ -327,3 +327,24 @@ def test_versions_count_what_was_consumed_per_problems_partition(tmp_path: Path,
     last = wvs[3]
     assert last.consumed_by_partition[2] == last.samples_filtered and last.consumed_by_partition[0] > 0
     assert last.consumed_by_partition[0] + last.consumed_by_partition[1] == last.samples_trained
+
+
+def test_a_close_that_raises_does_not_skip_the_others(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backend is closed first (DeepSpeed: it releases the other ranks); its error is raised
+    after the consumer, producer and servers (every weight-sync group) were closed too."""
+    from stream_rl.train.step import PolicyTrainer
+
+    def broken_close(self: PolicyTrainer) -> None:
+        raise RuntimeError("the backend's close failed")
+
+    monkeypatch.setattr(PolicyTrainer, "close", broken_close)
+    transport = MemoryTransport()
+    setup_topics(transport, "r1", make_batches(4, 2, seed=1))
+    pusher = FakePusher()
+    with pytest.raises(RuntimeError, match="the backend's close failed"):
+        trainer_stage.run(
+            make_config(tmp_path, model_dir, max_steps=1), transport, pusher=pusher, idle_timeout_s=0.5
+        )
+    assert pusher.closed
