@@ -243,10 +243,6 @@ class ForkServer:
         theirs.close()
         return cls(proc, ours)
 
-    @property
-    def alive(self) -> bool:
-        return not self._closed and self.proc.poll() is None
-
     def _read(self) -> None:
         while True:
             try:
@@ -349,9 +345,6 @@ class ForkedProcess:
         if self.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)

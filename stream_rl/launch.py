@@ -313,7 +313,6 @@ class Launcher(Supervision, Scaling):
         finally:
             self.leave_scaled_servers()
             self.stop_all()
-            self.stop_fork_server()
             if self._launcher_port is not None:
                 self.write_ports(self._launcher_port)  # no pids left: the run is over
             monitor.close()

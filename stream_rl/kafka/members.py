@@ -7,7 +7,8 @@ static members do not leave the group when they close. Kafka's Admin API removes
 (`removeMembersFromConsumerGroup`, KIP-345), librdkafka has no such call, so this runs the
 broker's own client jars on `deploy/kafka/RemoveStaticMembers.java`, compiled once with `javac`
 into the jars' cache (a JRE without `javac` runs it as a single-file source program: 2.2 s instead
-of 1.3 s, and 3.9 instead of 2.0 CPU-s, `bench/static_members.py`). `stream-rl scale` uses it when it stops a replica of a launcher-managed run.
+of 1.3 s, and 3.9 instead of 2.0 CPU-s, `bench/static_members.py`). `stream-rl scale` uses it when
+it stops a replica of a launcher-managed run.
 Only for a PLAINTEXT broker with the jars fetched (a local one): a secured cluster's Java client
 settings differ from librdkafka's, so there nothing is tried and the session expires as before.
 """
@@ -28,7 +29,7 @@ from stream_rl.kafka.broker import DEPLOY_DIR, jars_dir
 PROGRAM = DEPLOY_DIR / "RemoveStaticMembers.java"
 
 
-def program_command(java: str, jars: Path) -> list[str]:
+def program_command(java: str, jars: Path, timeout_s: float = 60.0) -> list[str]:
     """`java` and its arguments up to the program's own: the class compiled into
     `<jars>/../members/<source digest>/` (compiled now if it is not there yet), or the source
     file itself when there is no `javac` or it fails (its error then shows when the program runs)."""
@@ -41,7 +42,7 @@ def program_command(java: str, jars: Path) -> list[str]:
         res = subprocess.run(
             [javac, "-nowarn", "-cp", classpath, "-d", str(tmp), str(PROGRAM)],
             capture_output=True,
-            timeout=120,
+            timeout=timeout_s,
         )
         if res.returncode == 0:
             with contextlib.suppress(OSError):  # another process compiled it meanwhile: theirs is the same
@@ -68,7 +69,7 @@ def remove_static_members(
             f"bootstrap.servers={bootstrap}\nrequest.timeout.ms=15000\ndefault.api.timeout.ms=30000\n"
         )
         try:
-            cmd = [*program_command(java, jars), str(props), group, *instance_ids]
+            cmd = [*program_command(java, jars, timeout_s), str(props), group, *instance_ids]
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return False, f"no answer within {timeout_s:.0f} s"
