@@ -35,6 +35,13 @@ class InferenceError(StreamRLError):
     answer that is not what the engine's API promises): the server's fault, counted against it."""
 
 
+class ServerBusy(InferenceError):
+    """The server answered that it cannot take the request *now* and that it is safe to retry
+    (vLLM 0.33's HTTP 503 while generation is paused for a weight update in `wait` mode, or while
+    its queue is full): back-pressure, not a failure. The caller retries after a backoff without
+    counting it against the server."""
+
+
 class BadRequestError(InferenceError):
     """The server refused the request itself as invalid (HTTP 400, 413 or 422: a prompt longer
     than the model's context, a sampling option out of range): the request's fault, not the

@@ -12,6 +12,8 @@ server (its chat template). Each engine's client maps that engine's own response
 
 Errors (retries are the caller's, `stream_rl/stages/routing.py`):
 - `BadRequestError`: the server refused the request as invalid (400, 413, 422), with its message.
+- `ServerBusy`: the engine said "not now, retry" (`BUSY_STATUSES` of its client: vLLM's 503
+  while paused for a weight update in `wait` mode, or while its queue is full).
 - `InferenceError`: anything else: unreachable, a timeout, another non-2xx status, or a 200 whose
   body is not what the engine's API promises (the message quotes the body's first bytes).
 `health()` accepts any 200 (vLLM and SGLang answer with an empty body).
@@ -26,7 +28,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from stream_rl.config import SamplingConfig
-from stream_rl.errors import BadRequestError, InferenceError
+from stream_rl.errors import BadRequestError, InferenceError, ServerBusy
 from stream_rl.inference.completion import Completion
 
 Messages = list[dict[str, Any]]
@@ -54,6 +56,8 @@ class InferenceClient:
     `version`."""
 
     engine: ClassVar[str] = "engine"
+    BUSY_STATUSES: ClassVar[tuple[int, ...]] = ()
+    """Statuses by which this engine says "not now, retry" (raised as `ServerBusy`)."""
 
     def __init__(
         self, base_url: str, *, timeout_s: float = 120.0, http: httpx.AsyncClient | None = None
@@ -86,6 +90,8 @@ class InferenceClient:
                 raise BadRequestError(
                     f"{method} {url}: HTTP {response.status_code}: {message}", response.status_code
                 )
+            if response.status_code in self.BUSY_STATUSES:
+                raise ServerBusy(f"{method} {url}: HTTP {response.status_code}: {message}")
             raise InferenceError(f"{method} {url}: HTTP {response.status_code}: {message}")
         if not response.content:
             return None

@@ -17,6 +17,9 @@ Contract of `ServerPool.call(fn)`:
   since its previous failure), or that raises another `StreamRLError` (a task error, an invalid
   completion), earns a strike; more than `max_retries` strikes raise `RequestRejected`, and the
   actor sends the problem to the DLQ: the servers work, this request does not.
+- A server that answers "busy, retry" (`ServerBusy`: vLLM 0.33's 503 while it is paused for a
+  weight update in `wait` mode) is back-pressure: the call is retried after the backoff, with no
+  failure counted against the server and no strike against the request.
 - A request the server refuses as invalid (`BadRequestError`: HTTP 400/413/422, e.g. a prompt
   longer than the model's context) raises `RequestRejected` at once with the server's message:
   the request's fault, so the server's record is untouched and it stays in routing.
@@ -51,7 +54,7 @@ from typing import Any, TypeVar
 
 from stream_rl.config import RunConfig
 from stream_rl.contracts import ServerMembership
-from stream_rl.errors import BadRequestError, ConfigError, InferenceError, StreamRLError
+from stream_rl.errors import BadRequestError, ConfigError, InferenceError, ServerBusy, StreamRLError
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +119,9 @@ class Server:
     """Leaving the run: no new call; forgotten once `in_flight` is 0."""
     gone: bool = False
     """Forgotten (drained): its probes end."""
+    probing_version: bool = False
+    """A `_probe_until_current` runs for it (it ends when the server goes down, so one back up
+    and still stale needs a new one)."""
 
 
 def _state(server: Server) -> str:
@@ -162,6 +168,8 @@ class ServerPool:
         """The newest published weight version (`observe`)."""
         self.stale_responses = 0
         """Responses thrown away by `check_fresh`."""
+        self.busy_answers = 0
+        """"Busy, retry" answers (`ServerBusy`), each retried."""
         self.successes = 0
         """Successful calls and probes: evidence the servers work."""
         self._changed = asyncio.Condition()
@@ -378,32 +386,41 @@ class ServerPool:
         )
 
     def _mark_stale(self, server: Server, why: str, level: int = logging.WARNING) -> None:
-        if server.stale:
+        if server.stale and server.probing_version:
             return
-        server.stale = True
-        log.log(
-            level,
-            "inference server %s set aside: %s; waiting until it holds version %s",
-            server.url,
-            why,
-            self.latest,
-        )
+        if not server.stale:
+            server.stale = True
+            log.log(
+                level,
+                "inference server %s set aside: %s; waiting until it holds version %s",
+                server.url,
+                why,
+                self.latest,
+            )
+        else:  # stale, but its probe ended when it went down: it is back, probe again
+            log.info(
+                "inference server %s %s; waiting until it holds version %s", server.url, why, self.latest
+            )
+        server.probing_version = True
         task = asyncio.create_task(self._probe_until_current(server))
         self._probes.add(task)
         task.add_done_callback(self._probes.discard)
 
     async def _probe_until_current(self, server: Server) -> None:
-        while server.stale and not server.dead and not server.gone:
-            await asyncio.sleep(self.version_probe_s)
-            try:
-                held = await asyncio.wait_for(server.client.version(), timeout=self.health_timeout_s)
-            except (InferenceError, TimeoutError):
-                continue
-            if held is not None and self.latest is not None and held >= self.latest and server.stale:
-                server.stale = False
-                server.version = held
-                log.info("inference server %s holds version %d: back in routing", server.url, held)
-                await self._notify()
+        try:
+            while server.stale and not server.dead and not server.gone:
+                await asyncio.sleep(self.version_probe_s)
+                try:
+                    held = await asyncio.wait_for(server.client.version(), timeout=self.health_timeout_s)
+                except (InferenceError, TimeoutError):
+                    continue
+                if held is not None and self.latest is not None and held >= self.latest and server.stale:
+                    server.stale = False
+                    server.version = held
+                    log.info("inference server %s holds version %d: back in routing", server.url, held)
+                    await self._notify()
+        finally:
+            server.probing_version = False
 
     # -- calls -----------------------------------------------------------------------------------
     def backoff(self, attempt: int) -> float:
@@ -413,6 +430,7 @@ class ServerPool:
     async def call(self, fn: Callable[[Server], Awaitable[T]], what: str) -> T:
         """Run `fn(server)` on a server as described in the module docstring; returns its result."""
         attempt = 0
+        busy = 0
         strikes = 0
         evidence = self.successes  # successes seen by the previous failure (or the start)
         while True:
@@ -425,6 +443,14 @@ class ServerPool:
             except StaleServerError as exc:
                 await self.release(server, None, counted=False)
                 log.info("%s: %s", what, exc)
+                continue
+            except ServerBusy as exc:
+                await self.release(server, None, counted=False)
+                self.busy_answers += 1
+                busy += 1
+                delay = self.backoff(busy)
+                log.info("%s: %s is busy (%s); retrying in %.2fs", what, server.url, exc, delay)
+                await asyncio.sleep(delay)
                 continue
             except InferenceError as exc:
                 await self.release(server, exc)

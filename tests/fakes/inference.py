@@ -18,7 +18,7 @@ from typing import Any
 
 from stream_rl.config import SamplingConfig
 from stream_rl.contracts import ChatMessage, VersionSpan
-from stream_rl.errors import BadRequestError, InferenceError
+from stream_rl.errors import BadRequestError, InferenceError, ServerBusy
 from stream_rl.inference.completion import Completion
 
 END = 3
@@ -65,6 +65,8 @@ class FakeServer:
     """Prompts (user content) this server refuses as invalid while up (HTTP 400, BadRequestError)."""
     crash: set[str] = field(default_factory=set)
     """Prompts (user content) this server fails on while up (HTTP 500, InferenceError)."""
+    busy: int = 0
+    """Calls still to be answered "busy, retry" (ServerBusy, vLLM 0.33's 503 while paused)."""
     calls: int = 0
     failures: int = 0
     in_flight: int = 0
@@ -102,6 +104,9 @@ class FakeClient:
         if s.down:
             s.failures += 1
             raise InferenceError(f"POST {s.url}/v1/chat/completions failed: ConnectError: refused")
+        if s.busy > 0:
+            s.busy -= 1
+            raise ServerBusy(f"POST {s.url}/inference/v1/generate: HTTP 503: Generation is paused.")
         s.in_flight += 1
         s.max_in_flight = max(s.max_in_flight, s.in_flight)
         try:

@@ -177,6 +177,50 @@ def test_a_server_back_from_the_dead_is_routed_to_only_once_it_holds_the_newest_
     asyncio.run(main())
 
 
+def test_a_stale_server_that_goes_down_and_comes_back_is_probed_until_it_holds_the_version() -> None:
+    """The 70-s pause of the faults issue: set aside as stale (the trainer dropped it at version
+    22), then marked down while stale (its calls in flight failed), then back up holding 22. Its
+    version probe had ended when it went down; it must start again, or the server stays set aside
+    for good (before the fix: `_mark_stale` returned at once for a server already stale)."""
+
+    async def main() -> None:
+        a = FakeServer("a", version=21)
+        pool = pool_of([a], max_retries=1, version_probe_s=0.01)
+        pool.observe(21, ["a"])
+        gate = asyncio.Event()
+        a.gate = gate
+        first = asyncio.create_task(ask(pool, "in flight"))
+        while a.in_flight < 1:
+            await asyncio.sleep(0.001)
+        pool.observe(22, [], ["a"])  # the broadcast deadline passed: dropped at version 22
+        assert pool.servers[0].stale and pool.servers[0].probing_version
+        a.down = True  # the paused server's calls time out: down while stale
+        gate.set()
+        while not pool.servers[0].dead:
+            await asyncio.sleep(0.005)
+        while pool.servers[0].probing_version:  # the version probe ends while it is down
+            await asyncio.sleep(0.005)
+        a.gate = None
+        a.down, a.version = False, 22  # SIGCONT: re-joined by the trainer, holding 22
+        assert await asyncio.wait_for(first, 5) == "a"  # retried once it is back in routing
+        assert pool.live() == [pool.servers[0]] and pool.servers[0].version == 22
+        await pool.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_busy_answer_is_retried_without_counting_against_the_server() -> None:
+    async def main() -> None:
+        a = FakeServer("a", busy=3)  # paused for a weight update in wait mode: 503, retry
+        pool = pool_of([a], max_retries=1)
+        assert await ask(pool) == "a"
+        assert a.calls == 4 and pool.busy_answers == 3
+        assert not pool.servers[0].dead and pool.servers[0].failures == 0
+        await pool.aclose()
+
+    asyncio.run(main())
+
+
 def test_an_answer_below_the_staleness_floor_is_dropped_and_retried_elsewhere() -> None:
     async def main() -> None:
         a, b = FakeServer("a", version=10), FakeServer("b", version=10)
