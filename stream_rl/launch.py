@@ -35,6 +35,7 @@ from stream_rl.kafka.broker import LocalBroker, free_port
 from stream_rl.kafka.stage import StopFlag
 from stream_rl.scaling import Scaling
 from stream_rl.supervision import STOP_GRACE_S, Supervision
+from stream_rl.train.record import software, software_header
 from stream_rl.watchdog import Watchdog
 
 __all__ = [
@@ -67,6 +68,9 @@ class Launcher(Supervision, Scaling):
         self._kafka = None
         self._scaled_servers: set[str] = set()
         self._fork_server = None
+        self.software: dict[str, str | None] = software(config.inference.engine)
+        """The versions this invocation runs (the engine's once probed): headed into the run's
+        config.yaml and the summary."""
 
     # -- preparation -----------------------------------------------------------------------
     def check_config(self) -> None:
@@ -153,7 +157,7 @@ class Launcher(Supervision, Scaling):
         """Build every child's command and write its config and command into its directory."""
         cfg = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+        (self.run_dir / "config.yaml").write_text(software_header(self.software) + dump_config(cfg))
         py = [sys.executable, "-m", "stream_rl.cli"]
         inf = cfg.inference
         if not inf.servers:
@@ -265,13 +269,16 @@ class Launcher(Supervision, Scaling):
         engine_version = check_engine(self.config)
         if engine_version:
             print(f"inference engine: {self.config.inference.engine} {engine_version}", file=sys.stderr)
+        self.software = software(self.config.inference.engine, engine_version)
         self.bootstrap = self.start_broker()
         identity = self.check_identity()
         self.start_fork_server()
         self.apply_topics()
         self.plan()
         self.check_server_ports()
-        monitor = RunMonitor(self.config, self.bootstrap, since_version=identity.last_version)
+        monitor = RunMonitor(
+            self.config, self.bootstrap, since_version=identity.last_version, software=self.software
+        )
         try:
             for child in self.children:
                 if child.role == "server":

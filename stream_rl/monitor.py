@@ -34,9 +34,17 @@ STAGE_TOPICS = {
 
 class RunMonitor:
     def __init__(
-        self, config: RunConfig, bootstrap: str, progress: bool = True, since_version: int | None = None
+        self,
+        config: RunConfig,
+        bootstrap: str,
+        progress: bool = True,
+        since_version: int | None = None,
+        software: dict[str, str | None] | None = None,
     ) -> None:
+        """`software`: the versions this invocation runs (`stream_rl.train.record.software`), in
+        the timeline's start record and the summary."""
         self.config = config
+        self.software = software or {}
         self.run_dir = config.run_dir
         self.kafka = KafkaTransport.for_config(config.kafka, bootstrap)
         self.names = TopicNames(run=config.run, prefix=config.kafka.prefix)
@@ -68,6 +76,7 @@ class RunMonitor:
                 "wall_time": self.t0,
                 "config": self.config.run,
                 "resumed_from": self.since_version,
+                "software": self.software,
             }
         )
         self._follower.start()

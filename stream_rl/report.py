@@ -83,6 +83,7 @@ def summarize(
         "failed": failed,
         "wall_s": round(wall_s, 1),
         "resumed_from": start.get("resumed_from"),
+        "software": start.get("software", {}),
         "versions": {
             "count": len(versions),
             "first": versions[0]["version"] if versions else None,

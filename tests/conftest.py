@@ -23,6 +23,10 @@ _BOOTSTRAP_ENV = "STREAM_RL_TEST_BOOTSTRAP"
 _SHARED: dict[str, Any] = {}
 
 
+BROKERLESS = ("unit", "unit or vllm033")
+"""Marker expressions whose tests never need a broker (`make unit`, `make gpu-extra-check`)."""
+
+
 def _is_xdist_controller(config: pytest.Config) -> bool:
     workers = getattr(config.option, "numprocesses", None)
     return workers not in (None, 0) and not hasattr(config, "workerinput")
@@ -33,7 +37,7 @@ def pytest_configure(config: pytest.Config) -> None:
     environment), unless one is given or no selected test could need it (`-m unit`)."""
     if not _is_xdist_controller(config) or os.environ.get(_BOOTSTRAP_ENV):
         return
-    if (config.option.markexpr or "").strip() == "unit":
+    if (config.option.markexpr or "").strip() in BROKERLESS:
         return
     import tempfile
 

@@ -25,6 +25,24 @@ from stream_rl.inference.sampling import BatchSampling, sample
 from stream_rl.inference.sequence import Sequence
 
 
+def cache_keyword(model: Any) -> str:
+    """The keyword under which the model's forward takes its KV cache: `cache` from transformers
+    5.24 (5.20 to 5.23, the releases vLLM 0.33 allows, call it `past_key_values`, and ignore a
+    `cache` keyword: a forward then runs without our slots)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def keeps_positions_per_row() -> bool:
+    """Whether this transformers takes a `(batch, n)` tensor of `logits_to_keep` as positions per
+    row (5.24's `slice_logits_to_keep`); older releases index every row with the whole tensor."""
+    from transformers import modeling_utils
+
+    return hasattr(modeling_utils, "slice_logits_to_keep")
+
+
 def eos_ids_of(model: Any, tokenizer: Any) -> frozenset[int]:
     """The ids that end a sequence: the generation config's eos ids and the tokenizer's."""
     ids: set[int] = set()
@@ -48,6 +66,8 @@ class Batch:
     ) -> None:
         config = model.config.get_text_config()
         self.model = model
+        self._cache_kw = cache_keyword(model)
+        self._rows_keep = keeps_positions_per_row()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_len = max_len
@@ -74,15 +94,18 @@ class Batch:
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, **kw: Any
     ) -> torch.Tensor:
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            cache=self.cache,
-            use_cache=True,
-            **kw,
-        )
-        return out.logits[:, -1]
+        args = dict(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **kw)
+        args[self._cache_kw] = self.cache
+        keep = kw.get("logits_to_keep")
+        if isinstance(keep, torch.Tensor) and not self._rows_keep:
+            # Before transformers 5.24 a tensor `logits_to_keep` selects the same positions in every
+            # row: run the decoder, take each row's own position, and project that alone.
+            del args["logits_to_keep"]
+            hidden = self.model.get_decoder()(**args).last_hidden_state
+            return self.model.get_output_embeddings()(torch.take_along_dim(hidden, keep[..., None], dim=1))[
+                :, -1
+            ]
+        return self.model(**args).logits[:, -1]
 
     def _prefill_rows(self, rows: list[list[int]], slots: list[int]) -> torch.Tensor:
         """Run token rows (right-padded) into `slots` from position 0; logits at each row's end.

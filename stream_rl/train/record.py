@@ -1,12 +1,15 @@
 """What a run records for `replay trainer`, once, on the trainer's first start:
 
-    runs/<run>/trainer/record/config.yaml   the resolved run config (secrets left out)
+    runs/<run>/trainer/record/config.yaml   the resolved run config (secrets left out), headed by
+                                            a comment naming the software that trained it
     runs/<run>/trainer/record/init.json     the initial weights' checksum and model path, the
                                             seed, thread count, torch/transformers versions and
                                             the code revision
 
 Later starts (resumes) leave both as they are; the launcher's own `trainer/config.yaml` is
-rewritten at every launch, so it is not the record.
+rewritten at every launch, so it is not the record. `replay trainer` compares the recorded
+torch and transformers with its own and warns in one line when they differ (`version_drift`):
+bit-exact checksums need the same kernels.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ import subprocess
 from pathlib import Path
 
 from stream_rl.config import RunConfig, dump_config
+
+PINNED = ("torch", "transformers")
+"""The libraries whose exact versions the checksums depend on (their kernels)."""
 
 
 def record_dir(config: RunConfig) -> Path:
@@ -37,6 +43,54 @@ def code_revision() -> str | None:
     return (out.stdout.strip() or None) if out.returncode == 0 else None
 
 
+def software(engine: str | None = None, engine_version: str | None = None) -> dict[str, str | None]:
+    """The versions this process runs: Python, stream-rl (and its code revision), torch,
+    transformers (read from the installed distributions, without importing them), and the
+    inference engine when given (`builtin`, or vLLM's / SGLang's release)."""
+    import platform
+    from importlib import metadata
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    out: dict[str, str | None] = {
+        "python": platform.python_version(),
+        "stream_rl": version("stream-rl"),
+        "code_revision": code_revision(),
+        **{name: version(name) for name in PINNED},
+    }
+    if engine is not None:
+        out["engine"] = engine if engine == "builtin" else f"{engine} {engine_version or '?'}"
+    return out
+
+
+def software_header(versions: dict[str, str | None]) -> str:
+    """A YAML comment naming `versions`, to head a config copy (a comment: the file still loads)."""
+    shown = ", ".join(f"{k} {v}" for k, v in versions.items() if v is not None)
+    return f"# written by: {shown}\n"
+
+
+def version_drift(recorded: dict[str, object]) -> str | None:
+    """One line if this process's torch or transformers differ from `recorded` (a run's
+    init.json), else None."""
+    import torch
+    import transformers
+
+    now = {"torch": torch.__version__, "transformers": transformers.__version__}
+    differ = [
+        f"{k} {recorded[k]} (now {now[k]})" for k in PINNED if recorded.get(k) and recorded[k] != now[k]
+    ]
+    if not differ:
+        return None
+    return (
+        f"the run was trained with {', '.join(differ)}: checksums may differ for that alone "
+        "(bit-exact replay needs the recorded versions)"
+    )
+
+
 def write_run_record(config: RunConfig, initial_checksum: str) -> Path:
     """Write the record unless it exists; returns its directory."""
     import torch
@@ -45,7 +99,7 @@ def write_run_record(config: RunConfig, initial_checksum: str) -> Path:
     directory = record_dir(config)
     directory.mkdir(parents=True, exist_ok=True)
     if not (directory / "config.yaml").exists():
-        (directory / "config.yaml").write_text(dump_config(config))
+        (directory / "config.yaml").write_text(software_header(software()) + dump_config(config))
     if not (directory / "init.json").exists():
         tcfg = config.trainer
         record = {

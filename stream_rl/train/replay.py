@@ -16,7 +16,9 @@ the same way. Output: one table row per version; exit 0 only if every checksum m
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +31,7 @@ from stream_rl.kafka.stage import StopFlag
 from stream_rl.kafka.topics import TRAINING_BATCHES, TopicNames
 from stream_rl.kafka.transport import Message, TopicPartition, Transport
 from stream_rl.train.lineage import by_version, read_weight_versions
-from stream_rl.train.record import recorded_config_path
+from stream_rl.train.record import record_dir, recorded_config_path, version_drift
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,8 @@ class ReplayReport:
     rows: list[ReplayRow] = field(default_factory=list)
     error: str = ""
     """Why the replay stopped before the last version, if it did."""
+    drift: str | None = None
+    """The run was trained with another torch or transformers (`version_drift`), if it was."""
 
     @property
     def ok(self) -> bool:
@@ -117,6 +121,9 @@ def replay_trainer(
     names = TopicNames(run=config.run, prefix=config.kafka.prefix)
     versions = by_version(read_weight_versions(transport, names, serde))
     report = ReplayReport()
+    init = record_dir(config) / "init.json"
+    if init.is_file():
+        report.drift = version_drift(json.loads(init.read_text()))
     if 0 not in versions:
         report.error = (
             f"the run {config.run!r} has no version 0 in its weight-versions (nothing trained yet: "
@@ -195,5 +202,7 @@ def main(args: argparse.Namespace) -> int:
     stop = StopFlag()
     stop.install_signal_handlers()
     report = replay_trainer(config, transport, model_path=args.model, stop=stop)
+    if report.drift:
+        print(f"warning: {report.drift}", file=sys.stderr)
     print(report.table())
     return 0 if report.ok else 1

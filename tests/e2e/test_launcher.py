@@ -129,6 +129,15 @@ def test_short_run_through_the_launcher(
     assert summary["exit_reason"] == "reached max_steps (4)"
     assert summary["versions"]["last"] == 4
     assert summary["broker_lag"], "the launcher samples consumer lag"
+    import torch
+    import transformers
+
+    # The versions this invocation ran: in the summary and heading the config copy (a comment).
+    software = summary["software"]
+    assert software["engine"] == "builtin" and software["torch"] == torch.__version__.split("+")[0]
+    assert software["transformers"] == transformers.__version__
+    header = (run_dir / "config.yaml").read_text().splitlines()[0]
+    assert header.startswith("# written by: ") and f"torch {software['torch']}" in header
     assert any(
         json.loads(line)["kind"] == "lag" for line in (run_dir / "timeline.jsonl").read_text().splitlines()
     )

@@ -53,6 +53,30 @@ def test_replay_reproduces_every_checksum(tmp_path: Path, model_dir: Path) -> No
     assert "NO" in bad.table()
 
 
+def test_replay_warns_when_the_run_was_trained_with_other_kernels(tmp_path: Path, model_dir: Path) -> None:
+    import json
+
+    import transformers
+
+    from stream_rl.train.record import record_dir
+
+    transport = MemoryTransport()
+    setup_topics(transport, "r1", list(make_batches(3, 2, seed=5)))
+    cfg = make_config(tmp_path, model_dir, samples_per_step=4)
+    trainer_stage.run(cfg, transport, idle_timeout_s=0.5)
+    init = record_dir(cfg) / "init.json"
+    recorded = json.loads(init.read_text())
+    assert recorded["torch"] == torch.__version__ and recorded["transformers"] == transformers.__version__
+    assert (record_dir(cfg) / "config.yaml").read_text().startswith("# written by: ")
+    assert replay_trainer(cfg, transport).drift is None  # the same kernels: no warning
+    init.write_text(json.dumps({**recorded, "torch": "2.12.0"}))
+    drift = replay_trainer(cfg, transport).drift
+    assert drift == (
+        f"the run was trained with torch 2.12.0 (now {torch.__version__}): checksums may differ "
+        "for that alone (bit-exact replay needs the recorded versions)"
+    )
+
+
 def test_replay_without_lineage_fails(tmp_path: Path, model_dir: Path) -> None:
     transport = MemoryTransport()
     setup_topics(transport, "r1", [])
