@@ -10,16 +10,7 @@
 # non-zero if any check failed. Every step runs in its own process group, killed at its end.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-OUT_DIR="${OUT:-bench/results}"
-mkdir -p "$OUT_DIR"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "installing the carried wheels failed" >&2; exit 1; }
-  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-else
-  echo "no .whl/ here: using the installed packages (run bench/gpu_wheels.sh first to carry the missing ones)" >&2
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
+. bench/gpu_site.sh
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 # Our own process group: whatever a step leaves behind ends with this script.
 trap 'kill -- -$$ 2>/dev/null' EXIT

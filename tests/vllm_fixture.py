@@ -8,7 +8,9 @@ the other workers run meanwhile) and stops it after the last test that needs it.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -19,10 +21,18 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+VLLM_PYTHON = Path(os.environ.get("STREAM_RL_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
+"""The CPU build's environment; bench/gpu_vllm_check.sh points it at a GPU machine's vLLM."""
+VLLM_DEVICE = os.environ.get("STREAM_RL_VLLM_DEVICE", "cpu")
+"""`cuda` on a GPU machine (bench/gpu_vllm_check.sh): the server on the GPU, the tests' trainer
+on the CPU over stream_rl_gloo (one GPU: NCCL refuses a trainer and a server on one device)."""
+VLLM_EAGER = os.environ.get("STREAM_RL_VLLM_EAGER", "1") == "1"
+"""On `cuda`, `0` runs vLLM with CUDA graphs (the default of a GPU user's server)."""
 TOKEN = "vllm-test-token"
 DEMO_BATCH = 128
 """`inference.max_batch` of configs/demo-cpu.yaml (tests/e2e/test_vllm_demo.py checks they agree)."""
+HUB_SAMPLING_DEFAULTS = {"repetition_penalty": 1.05, "min_p": 0.05, "top_k": 20, "top_p": 0.8}
+"""The test model's generation_config.json (Qwen2.5-Instruct's penalty and top-k/top-p, and a min_p)."""
 LEASE_S = 6.0
 """The test server's pause lease: short, so the dead-trainer test waits little."""
 
@@ -68,7 +78,14 @@ class VLLMServer:
 
             self.workdir.mkdir(parents=True, exist_ok=True)
             # The demo's model: a tiny Qwen2 warm-started on arithmetic (the e2e demo trains it).
-            self.model = cached_model("tiny", warm_start="arithmetic")
+            # Copied with a hub model's sampling defaults (as Qwen2.5-Instruct ships them): vLLM
+            # must not apply them (the launcher's `--generation-config vllm`), or logprobs are not
+            # log_softmax(logits / T) (tests/integration/test_vllm.py checks they are).
+            self.model = self.workdir / "model"
+            shutil.copytree(cached_model("tiny", warm_start="arithmetic"), self.model, dirs_exist_ok=True)
+            generation = self.model / "generation_config.json"
+            defaults = json.loads(generation.read_text()) if generation.exists() else {}
+            generation.write_text(json.dumps({**defaults, **HUB_SAMPLING_DEFAULTS}))
             port = free_port()
             config = load_config(
                 None,
@@ -82,6 +99,16 @@ class VLLMServer:
                     # batch, not two (at vLLM's 64: the demo test's CPU 165 s -> 94 s, measured).
                     f"inference.max_batch={DEMO_BATCH}",
                     f"inference.vllm.pause_lease_s={LEASE_S}",
+                    *(
+                        [
+                            "inference.device=cuda",
+                            "inference.vllm.weight_transfer=stream_rl_gloo",
+                            "inference.vllm.gpu_memory_utilization=0.3",
+                            f"inference.vllm.extra_args={['--enforce-eager'] if VLLM_EAGER else []}",
+                        ]
+                        if VLLM_DEVICE == "cuda"
+                        else []
+                    ),
                 ],
             )
             launch = launch_for(config, 0)

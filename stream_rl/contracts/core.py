@@ -86,6 +86,12 @@ class ChatMessage:
         return cls(role=d["role"], content=d["content"])
 
 
+INCOMPLETE = "stream-rl-incomplete"
+"""The weight label of a server whose weights no version describes (an update that did not
+finish), until the next update labels them; set by the trainer's senders
+(`stream_rl.weights.adapters`) and the vLLM guard, refused by our clients."""
+
+
 @dataclass(slots=True)
 class VersionSpan:
     """Completion tokens from index `start` on (until the next span) came from weights `version`."""

@@ -150,6 +150,11 @@ def _vllm_launch(config: RunConfig, port: str, seed: str) -> ServerLaunch:
         str(inf.max_batch),
         "--logprobs-mode",
         "processed_logprobs",
+        # Sampling defaults from vLLM, not from the model's generation_config.json: a hub model's
+        # (Qwen2.5-Instruct: repetition_penalty 1.05) would apply to every request that does not
+        # set the field, and sampling and logprobs would no longer be log_softmax(logits / T).
+        "--generation-config",
+        "vllm",
         "--no-enable-prefix-caching",
         "--enable-scale-out",
         "--weight-transfer-config",

@@ -16,8 +16,9 @@ with `return_weight_versions`, 0.32's do not.
 Version labels: the trainer sets the label of every update it installs to its version number
 (`POST /finish_weight_update {"weight_version": "N"}`). A server that no trainer has updated
 yet is labelled `default`: it serves the weights it loaded from `model.path`, which are version
-0's, so `default` reads as version 0. Any other label is an error (a server some other trainer
-updates). Consecutive spans that map to the same version are merged.
+0's, so `default` reads as version 0. `stream-rl-incomplete` (an update that did not finish:
+some weights may be new) is refused until the next update. Any other label is an error (a server
+some other trainer updates). Consecutive spans that map to the same version are merged.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from stream_rl.config import SamplingConfig
-from stream_rl.contracts.core import VersionSpan
+from stream_rl.contracts.core import INCOMPLETE, VersionSpan
 from stream_rl.errors import InferenceError
 from stream_rl.inference.client import InferenceClient, Prompt, is_chat, quote
 from stream_rl.inference.completion import Completion
@@ -43,6 +44,11 @@ def label_version(label: str) -> int:
         return 0
     if label.isdigit():
         return int(label)
+    if label == INCOMPLETE:
+        raise InferenceError(
+            f"weight version label {INCOMPLETE!r}: an update did not finish on this server, so no "
+            "version describes its weights until the trainer pushes the next one"
+        )
     raise InferenceError(f"weight version label {label!r} is not a stream-rl version (a number or 'default')")
 
 
@@ -95,6 +101,10 @@ class RenderedRequest(BaseModel):
 
 class VLLMClient(InferenceClient):
     engine = "vllm"
+    BUSY_STATUSES = (503,)
+    """vLLM 0.33 answers 503 (`RetryableRequestError`, "Generation is paused. Please retry after it
+    resumes.") to new requests while a `wait`-mode pause drains it for a weight update
+    (`in_flight_updates: false`), and to requests beyond its queue limits; 0.32 queues them."""
 
     async def complete_many(
         self, prompt: Prompt, sampling: SamplingConfig, *, n: int = 1, seed: int | None = None
@@ -103,6 +113,13 @@ class VLLMClient(InferenceClient):
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "top_k": sampling.top_k,  # vLLM: 0 (or -1) is off
+            # Sent as the neutral values so that no server default applies (a server started with
+            # `--generation-config auto` fills unset fields from the model's generation_config.json:
+            # Qwen2.5-Instruct's repetition_penalty 1.05 would bias sampling and every logprob).
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
             "max_tokens": sampling.max_tokens,
             "n": n,
         }

@@ -23,6 +23,10 @@ Worker side of the protocol (the trainer side is `stream_rl.weights.adapters.vll
   installed before finish, so a trainer that dies at any point before it leaves the old weights
   in place (and the label the trainer sets with finish unchanged: labels never lie).
 - start: forgets a receive that was never finished.
+- `update_info` `{"discard": true}` (a joining trainer's recovery): drops whatever a dead trainer's
+  session received and raises `DISCARDED`, so vLLM answers 500 with that message and ends the
+  session; nothing is installed and the label stays true. With no session open vLLM answers 500
+  "start_weight_update must be called before update_weights." and nothing changes.
 """
 
 from __future__ import annotations
@@ -37,10 +41,11 @@ import torch
 from stream_rl.errors import WeightSyncError
 from stream_rl.weights.buckets import TensorMeta
 from stream_rl.weights.receiver import WeightReceiver
+from stream_rl.weights.vllm_guard import DISCARDED, GLOO_BACKEND
 
 log = logging.getLogger("vllm.stream_rl.weights")  # under "vllm": printed by its handler
 
-BACKEND = "stream_rl_gloo"
+BACKEND = GLOO_BACKEND
 DEFAULT_TIMEOUT_S = 60.0
 
 try:  # only inside a vLLM environment
@@ -113,6 +118,11 @@ class GlooWeightTransferEngine(WeightTransferEngine):
             self._pending = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
+        if update_info.get("discard") is True:
+            # A joining trainer's recovery: what a dead one left is dropped, never installed.
+            # Raising ends vLLM's update session (its worker does so when an update fails).
+            self._pending = None
+            raise RuntimeError(DISCARDED)
         info = self.parse_update_info(update_info)
         info.metas()  # a malformed update fails here, before anything is received
         if self._pending is not None:

@@ -24,7 +24,8 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
+from vllm_dying_trainer import DEAD_SEED, perturbed
 
 from stream_rl.config import SamplingConfig
 from stream_rl.contracts import VersionSpan
@@ -73,15 +74,6 @@ def sender(server: Any, token: str) -> Iterator[VLLMWeightSender]:
     s.close()
 
 
-def perturbed(model_dir: Path, seed: int, scale: float = 0.05) -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * scale)
-    return model.eval()
-
-
 def push(
     sender: VLLMWeightSender,
     version: int,
@@ -95,6 +87,9 @@ def push(
     assert report.failed == {} and report.updated, report
     timings = report.per_server[sender.live_servers[0]]
     assert timings["stall_ms"] > 0
+    if record := os.environ.get("STREAM_RL_VLLM_TIMINGS"):  # bench/gpu_vllm_check.sh's figures
+        with open(record, "a") as out:
+            out.write(json.dumps({"pause": pause, "bucket_bytes": bucket_bytes, **timings}) + "\n")
     return timings
 
 
@@ -152,6 +147,14 @@ def test_on_cpu_the_model_runs_in_the_engine_core_process(server: Any) -> None:
 def test_client_reads_prompt_ids_logprobs_at_the_temperature_and_spans(
     server: Any, sender: VLLMWeightSender
 ) -> None:
+    """The model directory carries a hub model's sampling defaults (repetition penalty, min_p,
+    top-k/top-p in generation_config.json): the server must not apply them, or the logprobs
+    differ from log_softmax(logits / T) (it did before the launcher passed `--generation-config
+    vllm`)."""
+    from vllm_fixture import HUB_SAMPLING_DEFAULTS
+
+    shipped = json.loads((server.model / "generation_config.json").read_text())
+    assert {k: shipped[k] for k in HUB_SAMPLING_DEFAULTS} == HUB_SAMPLING_DEFAULTS
     version = next_version()
     model = perturbed(server.model, seed=1)
     push(sender, version, model)
@@ -182,6 +185,23 @@ def test_client_reads_prompt_ids_logprobs_at_the_temperature_and_spans(
         )
     again, _ = run(sample())
     assert [c.token_ids for c in again] == [c.token_ids for c in completions]  # seeded
+
+
+def test_a_request_that_sets_no_sampling_field_gets_vllms_defaults_not_the_models(server: Any) -> None:
+    """An outside client (an eval with the openai client) that leaves the penalties and min_p
+    unset: the launcher's `--generation-config vllm` keeps the model's generation_config.json out,
+    so the rendered request carries vLLM's neutral values."""
+    from vllm_fixture import HUB_SAMPLING_DEFAULTS
+
+    assert json.loads((server.model / "generation_config.json").read_text())["repetition_penalty"] != 1.0
+    answer = httpx.post(
+        f"{server.url}/v1/completions/render", json={"prompt": [4, 9, 13], "max_tokens": 4}, timeout=30
+    )
+    assert answer.status_code == 200, answer.text
+    params = answer.json()[0]["sampling_params"]  # vLLM leaves some fields at their default out
+    neutral = {"repetition_penalty": 1.0, "min_p": 0.0, "top_k": 0, "top_p": 1.0}
+    got = {k: params.get(k, v) for k, v in neutral.items()}
+    assert got == neutral or got == {**neutral, "top_k": -1}, (got, HUB_SAMPLING_DEFAULTS)
 
 
 async def _stream(
@@ -346,6 +366,124 @@ def test_a_trainer_killed_mid_update_leaves_a_usable_server(
         assert_greedy(new, [4, 9, 13], completion.token_ids)
     finally:
         fresh.close()
+
+
+def greedy(model: torch.nn.Module, prompt: list[int], tokens: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def test_a_trainer_killed_between_update_and_finish_leaves_no_token_under_a_false_label(
+    server: Any, sender: VLLMWeightSender, token: str
+) -> None:
+    """The dead trainer's weights reached the server (its shadow buffers) but were never finished:
+    neither the guard's lease nor the next trainer's join may put them under the old label (before
+    the join recovered by finishing the session, which installed them as `before`)."""
+    from vllm_fixture import LEASE_S
+
+    before = next_version()
+    model = perturbed(server.model, seed=7)
+    push(sender, before, model)
+    sender.close()
+    prompt = [4, 9, 13]
+    dead = perturbed(server.model, DEAD_SEED)
+    assert greedy(dead, prompt, 8) != greedy(model, prompt, 8)  # else this test could not tell them apart
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            str(HERE / "vllm_dying_trainer.py"),
+            server.url,
+            token,
+            "received",
+            str(server.model),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "RECEIVED"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert child.returncode == -signal.SIGKILL  # the trainer did die between update and finish
+    started = time.monotonic()
+
+    async def sample() -> Any:
+        async with VLLMClient(server.url, timeout_s=60) as client:
+            return await client.complete(prompt, SamplingConfig(max_tokens=8, temperature=0.0))
+
+    paused = run(sample())  # waits for the lease to resume the server
+    assert time.monotonic() - started < LEASE_S + 15
+    assert paused.version_spans == [VersionSpan(before, 0)]
+    assert_greedy(model, prompt, paused.token_ids)
+    fresh = VLLMWeightSender([ServerEndpoint(server.url, token)], timeout_s=30.0, bucket_bytes=1 << 16)
+    try:
+        assert fresh.connect() == {}  # recovers what the dead trainer left, then joins
+        joined = run(sample())
+        assert joined.version_spans == [VersionSpan(before, 0)]
+        assert_greedy(model, prompt, joined.token_ids)  # not the dead trainer's weights
+        after = next_version()
+        push(fresh, after, dead)
+        pushed = run(sample())
+        assert pushed.version_spans == [VersionSpan(after, 0)]
+        assert_greedy(dead, prompt, pushed.token_ids)
+    finally:
+        fresh.close()
+
+
+def test_a_drain_update_lets_running_requests_finish_on_the_old_weights_and_loses_none(
+    server: Any, sender: VLLMWeightSender
+) -> None:
+    """`in_flight_updates: false` (vLLM `/pause?mode=wait`): the engine finishes what runs on the
+    old weights before the install; requests that arrive meanwhile wait (0.32) or are answered
+    503 "paused, retry" (0.33, retried by the actor as back-pressure): none is lost and every
+    completion is one version."""
+    old, new = perturbed(server.model, seed=8), perturbed(server.model, seed=9)
+    prompt = [4, 57, 61, 49, 58, 59, 67, 1, 5]
+    length = 160
+    body = _render(server.url, prompt, length)
+    old_v, new_v = next_version(), next_version()
+    push(sender, old_v, old)
+    pushing = asyncio.Event()
+
+    async def scenario() -> tuple[Any, list[Any], list[Any]]:
+        seen: list[int] = []
+        stream = asyncio.create_task(_stream(server.url, body, seen))
+        async with VLLMClient(server.url, timeout_s=120) as client:
+            running = [
+                asyncio.create_task(
+                    client.complete_many(prompt, SamplingConfig(max_tokens=length), n=2, seed=i)
+                )
+                for i in range(4)
+            ]
+            while len(seen) < SWAP_AFTER:
+                await asyncio.sleep(0.005)
+                assert not stream.done(), "the generation ended before the update"
+            update = asyncio.create_task(asyncio.to_thread(push, sender, new_v, new, "drain", ONE_BUCKET))
+            pushing.set()
+            late: list[Any] = []
+            while not update.done():  # requests that arrive while the update drains the engine
+                late.append(asyncio.create_task(client.complete(prompt, SamplingConfig(max_tokens=8))))
+                await asyncio.sleep(0.05)
+            await update
+            return await stream, await asyncio.gather(*running), await asyncio.gather(*late)
+
+    (tokens, versions, finish), running, late = run(scenario())
+    assert pushing.is_set() and late, "no request arrived during the update"
+    assert finish == "length" and len(tokens) == length
+    assert versions == [{"version": str(old_v), "start": 0, "end": length}]  # all on the old weights
+    assert_greedy(old, prompt, tokens)
+    # The other requests ran beside it (or, on a loaded machine, reached the engine only after the
+    # pause): either way whole on one version; and none of those that came later was lost.
+    assert all(len(group) == 2 for group in running)
+    done = [c for group in running for c in group] + late
+    assert all(len(c.version_spans) == 1 and c.token_ids for c in done), [c.version_spans for c in done]
+    assert {c.version_spans[0].version for c in done} <= {old_v, new_v}
 
 
 def test_a_prompt_that_cannot_fit_is_a_bad_request(server: Any) -> None:

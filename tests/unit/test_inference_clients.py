@@ -9,6 +9,7 @@ import asyncio
 import json
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -240,6 +241,104 @@ def test_the_guard_checks_the_token_and_resumes_a_pause_nobody_ended(monkeypatch
             assert engine.resumed == 2  # the resume disarmed the lease: no second resume by it
 
     asyncio.run(main())
+
+
+class SessionEngine(FakeEngine):
+    """A vLLM engine client with an update session, its label and the order of what it did."""
+
+    def __init__(self, backend: str) -> None:
+        super().__init__()
+        self.vllm_config = SimpleNamespace(weight_transfer_config=SimpleNamespace(backend=backend))
+        self.label = "7"
+        self.events: list[str] = []
+
+    async def resume_generation(self) -> None:
+        await super().resume_generation()
+        self.events.append("resume")
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.events.append(f"finish {weight_version}")
+        if weight_version is not None:
+            self.label = weight_version
+
+    async def update_weight_version(self, new_version: str) -> None:
+        self.events.append(f"label {new_version}")
+        self.label = new_version
+
+
+def session_app(engine: SessionEngine) -> Any:
+    from fastapi.responses import JSONResponse
+
+    app = guarded_app(engine)
+
+    @app.post("/start_weight_update")
+    async def start() -> dict[str, str]:
+        return {}
+
+    @app.post("/update_weights")
+    async def update() -> Any:
+        return JSONResponse({"error": {"message": "NCCL error", "code": 500}}, status_code=500)
+
+    return app
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("backend", ["nccl", "stream_rl_gloo"])
+def test_a_lease_ending_an_update_session_labels_the_weights_before_decoding_resumes(
+    monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """nccl reloads layers from start on: the guard finishes the dead trainer's session under the
+    incomplete label, then resumes; stream_rl_gloo installs nothing before finish: resume only."""
+    from stream_rl.weights import vllm_guard
+    from stream_rl.weights.vllm_guard import INCOMPLETE
+
+    monkeypatch.delenv("STREAM_RL_ADMIN_TOKEN", raising=False)
+    monkeypatch.setenv("STREAM_RL_PAUSE_LEASE_S", "0.1")
+    monkeypatch.setitem(vllm_guard._session, "open", False)  # the server's state: one per test
+    engine = SessionEngine(backend)
+    transport = httpx.ASGITransport(app=session_app(engine))
+
+    async def main() -> None:
+        async with httpx.AsyncClient(transport=transport, base_url="http://vllm") as http:
+            assert (await http.post("/start_weight_update")).status_code == 200
+            assert (await http.post("/pause")).status_code == 200
+            await until(lambda: "resume" in engine.events)
+
+    asyncio.run(main())
+    if backend == "nccl":
+        assert engine.events == [f"finish {INCOMPLETE}", f"label {INCOMPLETE}", "resume"]
+        assert engine.label == INCOMPLETE
+    else:
+        assert engine.events == ["resume"] and engine.label == "7"
+
+
+@pytest.mark.parametrize("backend", ["nccl", "stream_rl_gloo"])
+def test_a_failed_update_labels_the_weights_incomplete_where_layers_may_be_loaded(
+    monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    from stream_rl.weights import vllm_guard
+    from stream_rl.weights.vllm_guard import INCOMPLETE
+
+    monkeypatch.delenv("STREAM_RL_ADMIN_TOKEN", raising=False)
+    monkeypatch.setitem(vllm_guard._session, "open", False)
+    engine = SessionEngine(backend)
+    transport = httpx.ASGITransport(app=session_app(engine))
+
+    async def main() -> None:
+        async with httpx.AsyncClient(transport=transport, base_url="http://vllm") as http:
+            assert (await http.post("/update_weights")).status_code == 500  # no session: nothing to say
+            assert engine.events == []
+            assert (await http.post("/start_weight_update")).status_code == 200
+            assert (await http.post("/update_weights")).status_code == 500
+
+    asyncio.run(main())
+    assert engine.label == (INCOMPLETE if backend == "nccl" else "7")
 
 
 def test_the_actor_and_its_clients_do_not_import_torch() -> None:

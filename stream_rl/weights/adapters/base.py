@@ -29,9 +29,12 @@ from typing import Any
 import httpx
 import torch
 
+from stream_rl.contracts.core import INCOMPLETE
 from stream_rl.errors import WeightSyncError
 from stream_rl.weights.client import ServerEndpoint
 from stream_rl.weights.sender import PushReport
+
+__all__ = ["INCOMPLETE", "EngineSender", "dtype_name", "free_port", "require_cuda"]
 
 log = logging.getLogger(__name__)
 

@@ -64,7 +64,7 @@ import torch
 from pydantic import BaseModel, Field, ValidationError
 
 from stream_rl.errors import WeightSyncError
-from stream_rl.weights.adapters.base import EngineSender, dtype_name, require_cuda
+from stream_rl.weights.adapters.base import INCOMPLETE, EngineSender, dtype_name, require_cuda
 from stream_rl.weights.adapters.sglang_group import Collectives, TorchCollectives, pack, plan_buckets
 from stream_rl.weights.client import ServerEndpoint
 
@@ -73,8 +73,6 @@ log = logging.getLogger(__name__)
 PAUSE_MODES = {"keep": "in_place", "recompute": "retract", "drain": "retract"}
 """Our pause policy -> SGLang's `/pause_generation` mode (drain first waits for running requests)."""
 NO_SESSION = "no weight-update session is open"
-INCOMPLETE = "stream-rl-incomplete"
-"""The weight label of a server whose update did not finish (not a version: our clients refuse it)."""
 _POLL_S = 0.002
 
 

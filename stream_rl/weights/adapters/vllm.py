@@ -6,14 +6,22 @@ vllm.entrypoints.openai.api_server --model DIR --weight-transfer-config '{"backe
 stream_rl.weights.vllm_guard.guard ...`, with B one of:
 - `stream_rl_gloo` (CPU; verified here with vLLM's CPU build): our engine
   (`stream_rl/weights/vllm_engine.py`) receives our bucket stream over gloo.
-- `nccl` (GPU; UNVERIFIED: no GPU here): vLLM's own NCCL engine, driven through vLLM's
-  trainer-side `NCCLTrainerWeightTransferEngine` (vLLM must be importable by the trainer).
+- `nccl` (GPU; UNVERIFIED: no GPU here): vLLM's own NCCL engine, driven through vLLM 0.33's
+  trainer-side `NCCLTrainerWeightTransferEngine` (vLLM 0.33 must be importable by the trainer;
+  0.32's trainer engine had another `WeightSource` interface and is refused at join).
 
 Join (`connect()`), per server:
-1. Recover what a dead trainer may have left: `POST /resume` (a pause never resumed) and
-   `POST /finish_weight_update` with no body, which closes an update session left open (vLLM
-   answers 500 "without a matching start" when there is none; a session whose receive failed
-   answers 500 "was not received" once, and the next finish closes it). No label changes.
+1. Recover what a dead trainer may have left, the session before the pause (`recover_session`):
+   - stream_rl_gloo (installs nothing before finish): `POST /update_weights {"update_info":
+     {"discard": true}}`; the engine drops what the session received and vLLM answers 500 "the
+     unfinished weight update was discarded; the old weights stay" (session ended), or 500
+     "start_weight_update must be called before update_weights." (none open). The label stays true.
+   - nccl (reloads layer by layer from start on): `POST /finish_weight_update {"weight_version":
+     "stream-rl-incomplete"}`; vLLM answers 500 "without a matching start" when no session is open
+     (nothing changes), else the weights are labelled `stream-rl-incomplete`, which our clients
+     refuse, until this trainer's first push.
+   Only then `POST /resume` (a pause never resumed): decoding never restarts on weights whose
+   label lies. (The server's guard does the same when a pause lease expires: `vllm_guard.py`.)
 2. `GET /get_world_size` (W inference workers), then `POST /init_weight_transfer_engine
    {"init_info": {...}}` while this process joins the same group as rank 0 (world W + 1).
    stream_rl_gloo: `{master_address, master_port, rank_offset: 1, world_size, timeout_s}` and the
@@ -28,7 +36,8 @@ Update (`push()`), per server, one after another:
   `POST /resume` in a `finally`.
 - nccl: pause first (vLLM reloads layer by layer between start and finish, so nothing may run in
   between), then vLLM's `send_weights()` (start, update while broadcasting, finish with our
-  label), then resume in a `finally`.
+  label); if it fails after start, the session is finished under `stream-rl-incomplete` before
+  the resume in the `finally`.
 - The pause mode follows the run config: `keep` + `clear_cache=false` (the default: running
   requests keep their old-weight KV, PipelineRL's semantics), `keep` + `clear_cache=true`
   (`kv_policy: recompute`: running requests are recomputed with the new weights) or `wait` +
@@ -43,21 +52,32 @@ responses are our version spans (`stream_rl/inference/vllm_client.py`).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from functools import cached_property
 from typing import Any
 
 import torch
 
 from stream_rl.errors import WeightSyncError
-from stream_rl.weights.adapters.base import EngineSender, dtype_name
+from stream_rl.weights.adapters.base import INCOMPLETE, EngineSender, dtype_name
 from stream_rl.weights.broadcast import send_buckets
 from stream_rl.weights.buckets import TensorMeta, plan_buckets
 from stream_rl.weights.client import ServerEndpoint
 from stream_rl.weights.group import SyncGroup, host_store
+from stream_rl.weights.vllm_guard import DISCARDED, GLOO_BACKEND
 
-BACKENDS = ("stream_rl_gloo", "nccl")
+log = logging.getLogger(__name__)
+
+BACKENDS = (GLOO_BACKEND, "nccl")
+NCCL_VLLM = "0.33"
+"""The vLLM release whose trainer-side NCCL engine `_NCCLLink` follows (read from its wheel)."""
+NO_SESSION = "without a matching start"
+"""vLLM's answer to a finish when no update session is open."""
+NO_UPDATE = "must be called before update_weights"
+"""vLLM's answer to an update when no update session is open."""
 PAUSE_MODES = {"keep": ("keep", False), "recompute": ("keep", True), "drain": ("wait", False)}
 """Our name -> vLLM's `/pause` mode and `clear_cache`."""
 
@@ -97,19 +117,43 @@ class VLLMWeightSender(EngineSender):
     # -- joining -----------------------------------------------------------------------------
 
     def _recover(self, server: ServerEndpoint) -> None:
-        """Undo what a dead trainer left: a pause, an open update session (a finish closes it;
-        a session whose receive failed answers that failure once, the next finish closes it)."""
+        """Undo what a dead trainer left, in this order: its update session closed (labelled
+        `INCOMPLETE` if it may have installed anything), then its pause lifted (module docstring)."""
+        if self.recover_session(server):
+            log.warning(
+                "%s: a weight update was left unfinished (a trainer died mid-update?); its weights "
+                "are labelled %r until this trainer's first push",
+                server.url,
+                INCOMPLETE,
+            )
         self.call(server, "POST", "/resume")
-        for _ in range(2):
+
+    def recover_session(self, server: ServerEndpoint) -> bool:
+        """Close an update session left open; True if it may have installed weights (then labelled
+        `INCOMPLETE`). The server stays paused if it was.
+
+        stream_rl_gloo installs nothing before finish: the session is discarded (`update_info`
+        `{"discard": true}`), nothing installed, the label kept. nccl reloads layer by layer from
+        start on: the session is finished under `INCOMPLETE`."""
+        if self.backend == GLOO_BACKEND:
             try:
-                self.call(server, "POST", "/finish_weight_update")
+                self.call(server, "POST", "/update_weights", json={"update_info": {"discard": True}})
             except WeightSyncError as exc:
-                if "without a matching start" in str(exc):
-                    return  # no session open
-                if "was not received" in str(exc):
-                    continue  # the failure of a dead trainer's update: closed by the next finish
+                if DISCARDED in str(exc) or NO_UPDATE in str(exc):
+                    return False
                 raise
-            return
+            raise WeightSyncError(
+                f"{server.url}: a discarding update was accepted: the server does not run the "
+                "stream_rl_gloo engine (start it with --weight-transfer-config "
+                '\'{"backend": "stream_rl_gloo"}\')'
+            )
+        try:
+            self.call(server, "POST", "/finish_weight_update", json={"weight_version": INCOMPLETE})
+        except WeightSyncError as exc:
+            if NO_SESSION in str(exc):
+                return False
+            raise
+        return True
 
     def _join(self, server: ServerEndpoint, port: int) -> Any:
         self._recover(server)
@@ -165,6 +209,12 @@ class VLLMWeightSender(EngineSender):
             releaser.join(timeout=self.timeout_s + 2.0)
         self._releasers = []
 
+    def _nccl_engine(self, info: Any, link: _NCCLLink) -> Any:
+        """vLLM's trainer engine for one server (its factory dispatches on `info.backend`)."""
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        return WeightTransferTrainerFactory.trainer_init(info, client=link, source=link.source)
+
     # -- updating ----------------------------------------------------------------------------
 
     def _pause(self, server: ServerEndpoint) -> None:
@@ -182,6 +232,24 @@ class VLLMWeightSender(EngineSender):
         if self.backend == "nccl":
             timings: dict[str, float] = handle.update(version, named_tensors)
             return timings
+        receive_ms = self.send(server, handle, named_tensors, bucket_bytes)
+        paused = time.perf_counter()
+        self._pause(server)
+        try:
+            self.call(server, "POST", "/finish_weight_update", json={"weight_version": str(version)})
+        finally:
+            self.call(server, "POST", "/resume")
+        return {"receive_ms": receive_ms, "stall_ms": (time.perf_counter() - paused) * 1000.0}
+
+    def send(
+        self,
+        server: ServerEndpoint,
+        group: SyncGroup,
+        named_tensors: Sequence[tuple[str, torch.Tensor]],
+        bucket_bytes: int,
+    ) -> float:
+        """stream_rl_gloo's first half of an update: the session started, every bucket broadcast
+        and received into the server's shadow buffers (nothing installed); its time in ms."""
         metas = [TensorMeta.from_tensor(name, tensor) for name, tensor in named_tensors]
         update_info = {
             "names": [m.name for m in metas],
@@ -199,7 +267,7 @@ class VLLMWeightSender(EngineSender):
             wake = threading.Event()
             request.add_done_callback(lambda _f: wake.set())
             send_buckets(
-                handle,
+                group,
                 plan_buckets(metas, bucket_bytes),
                 [tensor.detach() for _, tensor in named_tensors],
                 deadline=deadline,
@@ -207,14 +275,7 @@ class VLLMWeightSender(EngineSender):
                 wake=wake,
             )
             request.result(timeout=max(deadline - time.monotonic(), 0.0))
-        receive_ms = (time.perf_counter() - start) * 1000.0
-        paused = time.perf_counter()
-        self._pause(server)
-        try:
-            self.call(server, "POST", "/finish_weight_update", json={"weight_version": str(version)})
-        finally:
-            self.call(server, "POST", "/resume")
-        return {"receive_ms": receive_ms, "stall_ms": (time.perf_counter() - paused) * 1000.0}
+        return (time.perf_counter() - start) * 1000.0
 
 
 def _failure(request: cf.Future[Any]) -> str | None:
@@ -224,53 +285,106 @@ def _failure(request: cf.Future[Any]) -> str | None:
 
 
 class _Tensors:
-    """A vLLM `WeightSource` over the tensors of the current push (set before each send)."""
+    """The tensors of the current push as vLLM 0.33's `WeightSource` (made a subclass of it by
+    `weight_source()`): `metadata` a `cached_property` (vLLM's base class insists, and engines read
+    it repeatedly), `iter_full()` the full tensors in that order. `set()` swaps in each push's
+    tensors and drops the cached metadata (unchanged names, dtypes and shapes make vLLM send the
+    metadata once: it compares it with the last round's)."""
 
     def __init__(self) -> None:
         self.tensors: Sequence[tuple[str, torch.Tensor]] = ()
 
+    def set(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self.tensors = tensors
+        self.__dict__.pop("metadata", None)
+
+    @cached_property
     def metadata(self) -> list[Any]:
         from vllm.distributed.weight_transfer.base import ParamMeta
 
         return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self.tensors]
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         return ((name, t.detach()) for name, t in self.tensors)
 
 
+def weight_source() -> _Tensors:
+    """A `_Tensors` that is a vLLM `WeightSource` (vLLM imported here: the trainer's environment)."""
+    from vllm.distributed.weight_transfer.base import WeightSource
+
+    source: _Tensors = type("StreamRLSource", (_Tensors, WeightSource), {})()
+    return source
+
+
+def vllm_version() -> str:
+    """The vLLM release importable by this process; WeightSyncError if none, or not `NCCL_VLLM`."""
+    try:
+        import vllm
+    except ImportError as exc:
+        raise WeightSyncError(
+            f"vLLM nccl weight transfer: the trainer drives vLLM's own NCCL engine, but vLLM is not "
+            f"importable here ({exc}); install vllm=={NCCL_VLLM}.0 in the trainer's environment"
+        ) from exc
+    version = str(vllm.__version__)
+    if not version.startswith(NCCL_VLLM):
+        raise WeightSyncError(
+            f"vLLM {version} nccl weight transfer: stream-rl follows vLLM {NCCL_VLLM}'s trainer engine "
+            f"(its WeightSource interface changed in {NCCL_VLLM}); install vllm=={NCCL_VLLM}.0"
+        )
+    return version
+
+
+def nccl_init_info(sender: VLLMWeightSender, port: int, world: int) -> Any:
+    """vLLM's `NCCLTrainerInitInfo` of one server's group: this process rank 0 of `world`, packed
+    buckets of the sender's `bucket_bytes` (fixed at join: vLLM sends them to the server then)."""
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    return NCCLTrainerInitInfo(
+        master_address=sender.master_addr,
+        master_port=port,
+        world_size=world,
+        packed=True,
+        packed_buffer_size_bytes=sender.bucket_bytes,
+        rank=0,
+    )
+
+
+ENGINE_ERRORS = (TypeError, ValueError, RuntimeError, OSError, AssertionError)
+"""What vLLM's trainer engine raises when the two sides disagree or NCCL fails (its own checks
+raise TypeError and ValueError; NCCL and torch.distributed raise RuntimeError and OSError)."""
+
+
 class _NCCLLink:
-    """One server driven through vLLM's trainer-side NCCL engine (GPU; UNVERIFIED here).
+    """One server driven through vLLM 0.33's trainer-side NCCL engine (GPU; UNVERIFIED here).
 
     vLLM's `send_weights()` calls the client's start, update (while it broadcasts) and finish;
-    the client below adds our pause before start, our label at finish and the resume after.
+    the client below adds our pause before start, our label at finish and the resume after. Any
+    error of vLLM's engine is one `WeightSyncError` line naming vLLM, its version and the step.
     """
 
-    def __init__(self, sender: VLLMWeightSender, server: ServerEndpoint) -> None:
+    def __init__(self, sender: VLLMWeightSender, server: ServerEndpoint, version: str) -> None:
         self.sender = sender
         self.server = server
-        self.source = _Tensors()
+        self.vllm = version
+        self.source = weight_source()
         self.version = 0
         self.engine: Any = None
 
     @classmethod
     def join(cls, sender: VLLMWeightSender, server: ServerEndpoint, port: int, world: int) -> _NCCLLink:
-        from vllm.distributed.weight_transfer.base import WeightSource
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-
-        link = cls(sender, server)
-        source = type("StreamRLSource", (_Tensors, WeightSource), {})()
-        link.source = source
-        info = NCCLTrainerInitInfo(
-            master_address=sender.master_addr,
-            master_port=port,
-            world_size=world,
-            packed=True,
-            packed_buffer_size_bytes=sender.bucket_bytes,
-            rank=0,
-        )
-        link.engine = WeightTransferTrainerFactory.trainer_init(info, client=link, source=source)
+        link = cls(sender, server, vllm_version())
+        info = nccl_init_info(sender, port, world)
+        try:
+            link.engine = sender._nccl_engine(info, link)
+        except ENGINE_ERRORS as exc:
+            raise link.failure("joining", exc) from exc
         return link
+
+    def failure(self, step: str, exc: BaseException) -> WeightSyncError:
+        return WeightSyncError(
+            f"vLLM {self.vllm} nccl weight transfer: {step} {self.server.url} failed: "
+            f"{type(exc).__name__}: {exc}"
+        )
 
     # vLLM's VLLMWeightSyncClient protocol, over our HTTP calls
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -288,12 +402,26 @@ class _NCCLLink:
 
     def update(self, version: int, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> dict[str, float]:
         self.version = version
-        self.source.tensors = named_tensors
+        self.source.set(named_tensors)
         paused = time.perf_counter()
         self.sender._pause(self.server)
         try:
             start = time.perf_counter()
-            self.engine.send_weights()
+            try:
+                self.engine.send_weights()
+            except (WeightSyncError, *ENGINE_ERRORS) as exc:
+                # Layers may be reloaded already: no version describes the weights. Close the
+                # session under the label our clients refuse before decoding resumes (vLLM ends
+                # it itself when update_weights fails: then only the label is set).
+                try:
+                    if not self.sender.recover_session(self.server):
+                        body = {"new_version": INCOMPLETE}
+                        self.sender.call(self.server, "POST", "/update_weight_version", json=body)
+                except WeightSyncError as closing:
+                    log.warning("%s: the failed update's session not closed: %s", self.server.url, closing)
+                if isinstance(exc, WeightSyncError):
+                    raise
+                raise self.failure("updating", exc) from exc
             receive_ms = (time.perf_counter() - start) * 1000.0
         finally:
             self.sender.call(self.server, "POST", "/resume")
@@ -305,4 +433,4 @@ class _NCCLLink:
             self.engine = None
 
 
-__all__ = ["BACKENDS", "PAUSE_MODES", "VLLMWeightSender", "dtype_name"]
+__all__ = ["BACKENDS", "INCOMPLETE", "PAUSE_MODES", "VLLMWeightSender", "dtype_name"]
