@@ -92,6 +92,11 @@ class InferenceConfig(Model):
     """Maximum sequences decoded together (continuous batching)."""
     kv_policy: Literal["keep", "recompute"] = "keep"
     """After an in-flight update: keep the old-weight KV cache (PipelineRL) or recompute it."""
+    decode_shape: Literal["running", "fixed"] = "running"
+    """Built-in engine: a decode step runs the model over the running sequences (`running`), or
+    over all `max_batch` slots, idle ones padded and masked (`fixed`, as CUDA-graph engines pad to a
+    captured batch): a step then costs the same at any occupancy, a memory-bound accelerator's
+    cost curve emulated on a CPU (figures taken with it are an emulation of GPU economics)."""
     admin_token: SecretStr | None = Field(
         default_factory=lambda: SecretStr(t) if (t := os.environ.get(ADMIN_TOKEN_ENV)) else None
     )

@@ -82,6 +82,11 @@ class RunConfig(Model):
             raise ValueError(
                 f"trainer.weight_transport: {tcfg.weight_transport} needs inference.device: cuda for launched servers"
             )
+        if inf.decode_shape != "running" and (inf.servers or inf.engine != "builtin"):
+            raise ValueError(
+                "inference.decode_shape applies to the built-in servers the launcher starts (start your own "
+                "with `stream-rl serve --decode-shape fixed`; vLLM and SGLang pad to their CUDA graphs themselves)"
+            )
         if self.model.attn_implementation == "flash_attention_2":
             problem = flash_attention_problem(self.model.dtype, [tcfg.device, inf.device])
             if problem:

@@ -19,10 +19,14 @@ from typing import Any
 
 import torch
 
+from stream_rl.errors import InferenceError
 from stream_rl.inference.kv import SlotCache
 from stream_rl.inference.requests import Request
 from stream_rl.inference.sampling import BatchSampling, sample
 from stream_rl.inference.sequence import Sequence
+
+DECODE_SHAPES = ("running", "fixed")
+"""`inference.decode_shape`: a decode step over the running sequences, or over every slot."""
 
 
 def cache_keyword(model: Any) -> str:
@@ -63,9 +67,16 @@ class Batch:
         max_len: int,
         prefill_tokens: int,
         generator: torch.Generator,
+        decode_shape: str = "running",
     ) -> None:
+        if decode_shape not in DECODE_SHAPES:
+            raise InferenceError(
+                f"decode_shape must be one of {', '.join(DECODE_SHAPES)}, got {decode_shape!r}"
+            )
         config = model.config.get_text_config()
         self.model = model
+        self.max_batch = max_batch
+        self.fixed_shape = decode_shape == "fixed"
         self._cache_kw = cache_keyword(model)
         self._rows_keep = keeps_positions_per_row()
         self.tokenizer = tokenizer
@@ -175,15 +186,23 @@ class Batch:
         return len(sequences)
 
     def decode(self, version: int) -> int:
-        """One token for every running sequence; returns tokens sampled."""
+        """One token for every running sequence; returns tokens sampled. With the fixed decode
+        shape the forward pass covers every slot: an idle slot's row is token 0 at position 0,
+        attending to itself only (its KV lands in the slot's position 0, which the prefill of the
+        slot's next sequence overwrites), and its logits are dropped."""
         running = self.running
         device = self.device
-        positions = torch.tensor([s.cache_len for s in running], device=device)
-        attend = max(s.cache_len for s in running) + 1
+        lengths = [s.cache_len for s in running]
+        tokens = [s.tokens[-1] for s in running]
+        if self.fixed_shape:
+            idle = self.max_batch - len(running)
+            lengths, tokens = lengths + [0] * idle, tokens + [0] * idle
+        positions = torch.tensor(lengths, device=device)
+        attend = max(lengths) + 1
         mask = (torch.arange(attend, device=device)[None, :] <= positions[:, None])[:, None, None, :]
-        input_ids = torch.tensor([[s.tokens[-1]] for s in running], device=device)
+        input_ids = torch.tensor(tokens, device=device)[:, None]
         self.cache.prepare_decode(positions, attend)
-        logits = self._forward(input_ids, positions[:, None], mask)
+        logits = self._forward(input_ids, positions[:, None], mask)[: len(running)]
         for s in running:
             s.cache_len += 1
         if self._sampling is None:

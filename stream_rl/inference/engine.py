@@ -123,6 +123,7 @@ class Engine:
         version: int = 0,
         admit_batch: int | None = None,
         admit_wait: int = 8,
+        decode_shape: str = "running",
     ) -> None:
         config = model.config.get_text_config()
         if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
@@ -153,6 +154,7 @@ class Engine:
             max_len=self.max_len,
             prefill_tokens=prefill_tokens,
             generator=generator,
+            decode_shape=decode_shape,
         )
         self._waiting: collections.deque[Request] = collections.deque()
         self._unresolved: set[Request] = set()  # submitted, future not yet resolved

@@ -165,6 +165,7 @@ def run(
         kv_policy=inference.kv_policy,
         swap_policy=swap_policy,
         seed=inference.seed,
+        decode_shape=inference.decode_shape,
     )
     token = inference.admin_token.get_secret_value() if inference.admin_token else None
     app = create_app(
@@ -188,7 +189,7 @@ def run(
         tmp.replace(port_file)  # atomic: a reader never sees a partial number
     logger.info(
         "serving %s on http://%s:%d (device %s, max batch %d, max length %d, KV cache up to %.0f MiB, "
-        "kv policy %s, swap policy %s)",
+        "kv policy %s, swap policy %s, decode shape %s)",
         model.path,
         inference.host,
         bound,
@@ -198,6 +199,7 @@ def run(
         engine.stats().kv_cache_max_bytes / 2**20,
         inference.kv_policy,
         swap_policy,
+        inference.decode_shape,
     )
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
     # uvicorn drains on SIGTERM, then re-raises the signal under the handler found at start;
@@ -231,6 +233,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=int, default=d.max_batch, help="sequences decoded together")
     parser.add_argument("--kv-policy", default=d.kv_policy, choices=["keep", "recompute"])
     parser.add_argument(
+        "--decode-shape",
+        default=d.decode_shape,
+        choices=["running", "fixed"],
+        help="running: decode the running sequences; fixed: every slot, idle ones padded (a step "
+        "costs the same at any occupancy: an accelerator's economics, emulated)",
+    )
+    parser.add_argument(
         "--swap-policy",
         default="in_flight",
         choices=SWAP_POLICIES,
@@ -259,6 +268,7 @@ def main_serve(args: argparse.Namespace) -> int:
             device=args.device,
             max_batch=args.max_batch,
             kv_policy=args.kv_policy,
+            decode_shape=args.decode_shape,
             admin_token=token,
             torch_threads=args.threads,
             weights_timeout_s=args.weights_timeout,

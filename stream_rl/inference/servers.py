@@ -115,6 +115,8 @@ def launch_for(config: RunConfig, index: int) -> ServerLaunch:
                 str(inf.max_batch),
                 "--kv-policy",
                 inf.kv_policy,
+                "--decode-shape",
+                inf.decode_shape,
                 "--swap-policy",
                 "in_flight" if config.in_flight_updates else "between_sequences",
                 "--threads",

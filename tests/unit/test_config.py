@@ -75,3 +75,16 @@ def test_secrets_are_masked_in_dumps() -> None:
     assert "hunter2" not in dump_config(cfg)
     assert cfg.inference.admin_token is not None
     assert cfg.inference.admin_token.get_secret_value() == "hunter2"
+
+
+def test_the_decode_shape_reaches_launched_builtin_servers_and_is_refused_elsewhere() -> None:
+    from stream_rl.inference.servers import launch_for
+
+    cmd = launch_for(load_config(None, ["inference.decode_shape=fixed"]), 0).cmd
+    assert cmd[cmd.index("--decode-shape") + 1] == "fixed"
+    assert launch_for(load_config(None, []), 0).cmd[cmd.index("--decode-shape") + 1] == "running"
+    for overrides in (["inference.engine=vllm"], ["inference.servers=[{url: 'http://h:1'}]"]):
+        with pytest.raises(
+            ConfigError, match="inference.decode_shape applies to the built-in servers the launcher"
+        ):
+            load_config(None, ["inference.decode_shape=fixed", *overrides])

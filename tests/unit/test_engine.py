@@ -143,6 +143,30 @@ def test_n_samples_and_seeds_reproduce_regardless_of_batch(model, tokenizer) -> 
     engine.stop()
 
 
+def test_the_fixed_decode_shape_samples_the_same_tokens_and_logprobs(model, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """`decode_shape="fixed"` runs each step over all slots, idle ones padded: occupancy here goes
+    from 8 sequences down to 2 as they finish, and every token and logprob is the default's."""
+    lengths = [30, 7, 19, 12]
+    got = {}
+    for shape in ("running", "fixed"):
+        engine = Engine(model, tokenizer, max_batch=12, seed=0, decode_shape=shape)
+        futures = [
+            engine.submit(p, SamplingParams(temperature=1.0, max_tokens=n, n=2, seed=i, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(PROMPTS, lengths, strict=True))
+        ]
+        with torch.inference_mode():
+            run_until_done(engine, futures)
+        got[shape] = [(s.token_ids, s.logprobs) for f in futures for s in f.result().sequences]
+        assert engine.batch.fixed_shape is (shape == "fixed")
+        engine.stop()
+    assert [len(tokens) for tokens, _ in got["fixed"]] == [n for n in lengths for _ in range(2)]
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got["fixed"], got["running"], strict=True):
+        assert tokens == want_tokens
+        assert torch.allclose(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-5, rtol=0)
+    with pytest.raises(InferenceError, match="decode_shape"):
+        Engine(model, tokenizer, decode_shape="padded")
+
+
 def test_invalid_requests_are_refused(model, tokenizer) -> None:  # type: ignore[no-untyped-def]
     engine = Engine(model, tokenizer, max_batch=2)
     with pytest.raises(InferenceError, match="empty"):
