@@ -18,17 +18,22 @@ def read_to_end(
     client_id: str = "stream-rl-reader",
     batch: int = 500,
     timeout_s: float = 60.0,
+    start: dict[int, int] | None = None,
+    marks: dict[int, tuple[int, int]] | None = None,
 ) -> Iterator[Message]:
     """Yield every committed record of `partitions` (all when None) up to the end offsets seen at
-    the call, in offset order per partition. Raises KafkaError if the end is not reached in time."""
-    marks = transport.watermarks(topic)
+    the call (or `marks`, watermarks the caller read), in offset order per partition, from `start`
+    where given (a partition's next offset to read; never below its low watermark). Raises
+    KafkaError if the end is not reached in time."""
+    marks = marks if marks is not None else transport.watermarks(topic)
     wanted = {p: marks[p] for p in (partitions if partitions is not None else sorted(marks))}
-    ends = {(topic, p): high for p, (low, high) in wanted.items() if high > low}
+    begin = {p: max(low, (start or {}).get(p, low)) for p, (low, _high) in wanted.items()}
+    ends = {(topic, p): high for p, (_low, high) in wanted.items() if high > begin[p]}
     if not ends:
         return
     consumer = transport.consumer(None, client_id)
     try:
-        consumer.assign({(topic, p): low for p, (low, high) in wanted.items() if high > low})
+        consumer.assign({(topic, p): begin[p] for p in wanted if (topic, p) in ends})
         deadline = time.monotonic() + timeout_s
         while True:
             for msg in consumer.poll_batch(batch, 0.2):

@@ -117,6 +117,9 @@ class GroupView:
     dlq_by_partition: dict[int, int] | None = None
     """`problems.dlq` records by the partition of `problems` they came from (their
     `original.partition` header)."""
+    dlq_read: dict[int, int] | None = None
+    """The next offset of each `problems.dlq` partition not yet counted in `dlq_by_partition`
+    (the next view reads from there)."""
 
 
 def read_group_view(
@@ -128,16 +131,20 @@ def read_group_view(
     previous: GroupView | None = None,
 ) -> GroupView:
     """The actor group's progress as the broker has it (broker calls: run it off the event loop).
-    The DLQ's records are counted by their partition of origin, read again only when their number
-    changed since `previous`."""
+    The DLQ's records are counted by their partition of origin; only those written since
+    `previous` are read (before, every view re-read the whole DLQ whenever it had grown)."""
     marks = transport.watermarks(topic)
     committed = transport.group_offsets(group, topic)
-    dlq = sum(high for _low, high in transport.watermarks(dlq_topic).values())
-    if previous is not None and previous.dlq == dlq and previous.dlq_by_partition is not None:
-        by = previous.dlq_by_partition
-    else:
-        by = dlq_origins(transport, dlq_topic)
-    return GroupView(committed, {p: low for p, (low, _high) in marks.items()}, dlq, members, by)
+    dlq_marks = transport.watermarks(dlq_topic)
+    dlq = sum(high for _low, high in dlq_marks.values())
+    by: dict[int, int] = {}
+    since: dict[int, int] | None = None
+    if previous is not None and previous.dlq_by_partition is not None and previous.dlq_read is not None:
+        by, since = dict(previous.dlq_by_partition), previous.dlq_read
+    for p, n in dlq_origins(transport, dlq_topic, since, dlq_marks).items():
+        by[p] = by.get(p, 0) + n
+    read = {p: high for p, (_low, high) in dlq_marks.items()}
+    return GroupView(committed, {p: low for p, (low, _high) in marks.items()}, dlq, members, by, read)
 
 
 class ViewRefresh:
@@ -167,12 +174,18 @@ class ViewRefresh:
         return self.view
 
 
-def dlq_origins(transport: Transport, dlq_topic: str) -> dict[int, int]:
-    """`problems.dlq`'s records by the partition of `problems` they came from (-1: no header)."""
+def dlq_origins(
+    transport: Transport,
+    dlq_topic: str,
+    since: dict[int, int] | None = None,
+    marks: dict[int, tuple[int, int]] | None = None,
+) -> dict[int, int]:
+    """`problems.dlq`'s records by the partition of `problems` they came from (-1: no header),
+    those from offsets `since` (all when None) up to `marks` (the watermarks now when None)."""
     from stream_rl.kafka.reader import read_to_end
 
     out: dict[int, int] = {}
-    for msg in read_to_end(transport, dlq_topic, client_id="actor-dlq-origins"):
+    for msg in read_to_end(transport, dlq_topic, client_id="actor-dlq-origins", start=since, marks=marks):
         raw = msg.header("original.partition")
         p = int(raw) if raw is not None and raw.isdigit() else -1
         out[p] = out.get(p, 0) + 1

@@ -264,3 +264,38 @@ def test_two_actors_keep_the_group_wide_rule_for_a_lineage_without_partition_cou
     assert adm.admitted_samples() == 8 and adm.in_flight_samples() == 0  # partition 0 only
     adm.dlq_written(0)
     assert adm.admitted_samples() == 4  # a dead-lettered problem yields no samples
+
+
+def test_the_group_view_reads_only_the_dead_letters_written_since_the_last_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before, every view re-read the whole `problems.dlq` once it had grown: a run with many dead
+    letters read them all again at each refresh."""
+    from stream_rl.kafka import reader
+    from stream_rl.kafka.dead_letters import DeadLetters
+    from stream_rl.kafka.memory import MemoryTransport
+    from stream_rl.kafka.transport import Message
+    from stream_rl.stages.admission import read_group_view
+
+    t = MemoryTransport()
+    t.create_topics([("problems", 2, {}), ("problems.dlq", 1, {})])
+    letters, producer = DeadLetters("actor", "problems.dlq"), t.producer("p")
+    yielded: list[int] = []
+    real = reader.read_to_end
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        for msg in real(*args, **kwargs):
+            yielded.append(msg.offset)
+            yield msg
+
+    monkeypatch.setattr(reader, "read_to_end", counting)
+    for offset in range(3):
+        letters.write(producer, Message("problems", offset % 2, offset, None, b"x"), "bad")
+    first = read_group_view(t, "problems", "problems.dlq", "actor")
+    assert first.dlq == 3 and first.dlq_by_partition == {0: 2, 1: 1} and yielded == [0, 1, 2]
+    again = read_group_view(t, "problems", "problems.dlq", "actor", previous=first)
+    assert again.dlq_by_partition == {0: 2, 1: 1} and yielded == [0, 1, 2]  # nothing new: nothing read
+    letters.write(producer, Message("problems", 1, 9, None, b"x"), "bad")
+    later = read_group_view(t, "problems", "problems.dlq", "actor", previous=again)
+    assert later.dlq == 4 and later.dlq_by_partition == {0: 2, 1: 2}
+    assert yielded == [0, 1, 2, 3]  # only the new record
