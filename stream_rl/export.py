@@ -210,13 +210,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from stream_rl.kafka.broker import resolve_bootstrap
     from stream_rl.kafka.client import KafkaTransport
 
     config = run_config(args.runs_dir, args.run)
-    transport = KafkaTransport.for_config(
-        config.kafka, resolve_bootstrap(args.bootstrap, config.kafka.bootstrap)
-    )
+    transport = KafkaTransport.for_run(config.kafka, args.bootstrap)
     out = Path(args.out)
     if args.what == "model":
         record = export_model(config, transport, out, args.version)

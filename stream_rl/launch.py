@@ -120,7 +120,7 @@ class Launcher(Supervision, Scaling):
         from stream_rl.kafka.topics import WEIGHT_VERSIONS, TopicNames
         from stream_rl.train.lineage import read_weight_versions
 
-        kafka = KafkaTransport.for_config(self.config.kafka, self.bootstrap)
+        kafka = KafkaTransport.for_run(self.config.kafka, self.bootstrap)
         names = TopicNames(run=self.config.run, prefix=self.config.kafka.prefix)
         lineage = (
             read_weight_versions(kafka, names)
@@ -139,7 +139,7 @@ class Launcher(Supervision, Scaling):
         from stream_rl.kafka.client import KafkaTransport
         from stream_rl.kafka.topics import TopicNames, apply_topics, publish_schemas
 
-        kafka = KafkaTransport.for_config(self.config.kafka, self.bootstrap)
+        kafka = KafkaTransport.for_run(self.config.kafka, self.bootstrap)
         names = TopicNames(run=self.config.run, prefix=self.config.kafka.prefix)
         cfg = self.config.kafka
         report = apply_topics(

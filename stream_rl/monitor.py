@@ -46,7 +46,7 @@ class RunMonitor:
         self.config = config
         self.software = software or {}
         self.run_dir = config.run_dir
-        self.kafka = KafkaTransport.for_config(config.kafka, bootstrap)
+        self.kafka = KafkaTransport.for_run(config.kafka, bootstrap)
         self.names = TopicNames(run=config.run, prefix=config.kafka.prefix)
         self.t0 = time.time()
         self._timeline_path = self.run_dir / "timeline.jsonl"

@@ -117,7 +117,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from stream_rl.kafka.broker import resolve_bootstrap
     from stream_rl.kafka.client import KafkaTransport
     from stream_rl.stages.preprocessor_replay import replay_config
     from stream_rl.train.record import recorded_config_path
@@ -128,9 +127,7 @@ def main(args: argparse.Namespace) -> int:
     if not recorded.is_file():
         raise ConfigError(f"{recorded} not found: pass --config (the run's config) or --runs-dir")
     source, target = replay_config(recorded, args.run, args.into, args.overrides, args.runs_dir)
-    transport = KafkaTransport.for_config(
-        source.kafka, resolve_bootstrap(args.bootstrap, source.kafka.bootstrap)
-    )
+    transport = KafkaTransport.for_run(source.kafka, args.bootstrap)
     summary = rescore(source, target, transport)
     target.run_dir.mkdir(parents=True, exist_ok=True)
     (target.run_dir / "config.yaml").write_text(dump_config(target))

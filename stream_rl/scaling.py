@@ -102,7 +102,7 @@ class Scaling:
         from stream_rl.kafka.topics import TopicNames
 
         if self._kafka is None:
-            self._kafka = KafkaTransport.for_config(self.config.kafka, self.bootstrap)
+            self._kafka = KafkaTransport.for_run(self.config.kafka, self.bootstrap)
         return self._kafka, TopicNames(run=self.config.run, prefix=self.config.kafka.prefix)
 
     def rejoin_launched(self) -> list[str]:

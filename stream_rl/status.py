@@ -255,11 +255,10 @@ def main(args: argparse.Namespace) -> int:
     procs = (
         json.loads((run_dir / "processes.json").read_text()) if (run_dir / "processes.json").exists() else {}
     )
-    bootstrap = resolve_bootstrap(
-        args.bootstrap, (cfg.kafka.bootstrap if cfg else None) or procs.get("bootstrap")
-    )
-    names = TopicNames(run=run, prefix=cfg.kafka.prefix if cfg else "stream-rl")
-    kafka = KafkaTransport.for_config(cfg.kafka if cfg else KafkaConfig(), bootstrap)
+    kcfg = cfg.kafka if cfg else KafkaConfig()
+    bootstrap = resolve_bootstrap(args.bootstrap, kcfg.bootstrap or procs.get("bootstrap"), kcfg.data_dir)
+    names = TopicNames(run=run, prefix=kcfg.prefix)
+    kafka = KafkaTransport.for_run(kcfg, bootstrap)
     view = StatusView(run, run_dir, kafka, names, cfg.inference.server_urls() if cfg else ())
     if args.once:
         print(view.render())

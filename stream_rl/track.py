@@ -234,7 +234,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from stream_rl.errors import ConfigError
     from stream_rl.export import run_config
-    from stream_rl.kafka.broker import resolve_bootstrap
     from stream_rl.kafka.client import KafkaTransport
 
     config = run_config(args.runs_dir, args.run)
@@ -252,9 +251,7 @@ def main(args: argparse.Namespace) -> int:
             "tensorboard_dir": args.tensorboard_dir,
         },
     )
-    transport = KafkaTransport.for_config(
-        config.kafka, resolve_bootstrap(args.bootstrap, config.kafka.bootstrap)
-    )
+    transport = KafkaTransport.for_run(config.kafka, args.bootstrap)
     sinks = [open_sink(kind, config.run, options) for kind in dict.fromkeys(kinds)]
     stop = StopFlag()
     stop.install_signal_handlers()

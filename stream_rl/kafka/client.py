@@ -66,6 +66,21 @@ class KafkaTransport:
         read now) on every client. Every process builds its transport here."""
         return cls(bootstrap, properties=kafka.librdkafka_properties(), **kwargs)
 
+    @classmethod
+    def for_run(cls, kafka: KafkaConfig, bootstrap: str | None = None) -> KafkaTransport:
+        """The transport of any command that reads or writes a run's topics (the stages, replay,
+        export, track, rescore): `bootstrap` (a `--bootstrap`), else the config's, else
+        `$STREAM_RL_KAFKA_BOOTSTRAP`, else the local broker recorded in `kafka.data_dir`; the
+        config's client properties, `outage_timeout_s` and `compression`. Nothing is contacted."""
+        from stream_rl.kafka.broker import resolve_bootstrap
+
+        return cls.for_config(
+            kafka,
+            resolve_bootstrap(bootstrap, kafka.bootstrap, kafka.data_dir),
+            outage_s=kafka.outage_timeout_s,
+            compression=kafka.compression,
+        )
+
     def __init__(
         self,
         bootstrap: str,

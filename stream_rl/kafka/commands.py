@@ -78,7 +78,7 @@ def _names(args: argparse.Namespace) -> tuple[TopicNames, str, KafkaConfig]:
         raise StreamRLError("which run? pass --run R (or --config with a `run:` name)")
     kafka = cfg.kafka if cfg else KafkaConfig()
     prefix = args.prefix or kafka.prefix
-    bootstrap = resolve_bootstrap(args.bootstrap, kafka.bootstrap)
+    bootstrap = resolve_bootstrap(args.bootstrap, kafka.bootstrap, kafka.data_dir)
     return TopicNames(run=run, prefix=prefix), bootstrap, kafka
 
 
@@ -103,12 +103,12 @@ def main_topics(args: argparse.Namespace) -> int:
         print(topology_markdown())
         return 0
     if args.action == "list" and not args.run and not args.config:
-        transport = KafkaTransport.for_config(KafkaConfig(), resolve_bootstrap(args.bootstrap))
+        transport = KafkaTransport.for_run(KafkaConfig(), args.bootstrap)
         prefix = (args.prefix or DEFAULT_PREFIX) + "."
         _print_counts(transport, [t for t in transport.list_topic_names() if t.startswith(prefix)])
         return 0
     names, bootstrap, kcfg = _names(args)
-    transport = KafkaTransport.for_config(kcfg, bootstrap)
+    transport = KafkaTransport.for_run(kcfg, bootstrap)
     transport.check_reachable()
     if args.action == "apply":
         report = apply_topics(
@@ -168,7 +168,7 @@ def main_lag(args: argparse.Namespace) -> int:
     from stream_rl.kafka.lag import format_lags, run_lags
 
     names, bootstrap, kcfg = _names(args)
-    kafka = KafkaTransport.for_config(kcfg, bootstrap)
+    kafka = KafkaTransport.for_run(kcfg, bootstrap)
     kafka.check_reachable()
     if args.serve_metrics is None:
         print(format_lags(run_lags(kafka, names, with_age=not args.no_age)))

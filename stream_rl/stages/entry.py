@@ -76,18 +76,10 @@ def add_stage_arguments(
 
 
 def kafka_transport(config: RunConfig) -> KafkaTransport:
-    """The Kafka transport of a stage: the configured bootstrap, else `$STREAM_RL_KAFKA_BOOTSTRAP`,
-    else the local broker recorded in `kafka.data_dir`; `kafka.outage_timeout_s` and
-    `kafka.compression` applied. Nothing is contacted yet."""
-    from stream_rl.kafka.broker import resolve_bootstrap
+    """The Kafka transport of a stage (`KafkaTransport.for_run`). Nothing is contacted yet."""
     from stream_rl.kafka.client import KafkaTransport
 
-    return KafkaTransport.for_config(
-        config.kafka,
-        resolve_bootstrap(None, config.kafka.bootstrap, config.kafka.data_dir),
-        outage_s=config.kafka.outage_timeout_s,
-        compression=config.kafka.compression,
-    )
+    return KafkaTransport.for_run(config.kafka)
 
 
 def open_transport(config: RunConfig, transport: Transport | None) -> Transport:

@@ -217,7 +217,6 @@ def source_config_path(runs_dir: str | Path, run: str) -> Path:
 
 
 def main(args: argparse.Namespace) -> int:
-    from stream_rl.kafka.broker import resolve_bootstrap
     from stream_rl.kafka.client import KafkaTransport
 
     path = args.config or source_config_path(args.runs_dir, args.run)
@@ -233,9 +232,7 @@ def main(args: argparse.Namespace) -> int:
         )
     target.run_dir.mkdir(parents=True, exist_ok=True)
     written.write_text(dump_config(target))
-    transport = KafkaTransport.for_config(
-        target.kafka, resolve_bootstrap(None, target.kafka.bootstrap, target.kafka.data_dir)
-    )
+    transport = KafkaTransport.for_run(target.kafka)
     stop = StopFlag()
     stop.install_signal_handlers()
     summary = replay_preprocessor(source, target, transport, stop=stop, idle_timeout_s=args.idle_timeout)

@@ -185,7 +185,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from stream_rl.kafka.broker import resolve_bootstrap
     from stream_rl.kafka.client import KafkaTransport
 
     recorded = recorded_config_path(args.runs_dir, args.run)
@@ -196,9 +195,7 @@ def main(args: argparse.Namespace) -> int:
     config = load_config(args.config or recorded, args.overrides)
     if config.run != args.run:
         config = config.model_copy(update={"run": args.run})
-    transport = KafkaTransport.for_config(
-        config.kafka, resolve_bootstrap(args.bootstrap, config.kafka.bootstrap)
-    )
+    transport = KafkaTransport.for_run(config.kafka, args.bootstrap)
     stop = StopFlag()
     stop.install_signal_handlers()
     report = replay_trainer(config, transport, model_path=args.model, stop=stop)

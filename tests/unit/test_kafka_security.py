@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
-from stream_rl.config import load_config
+from stream_rl.config import KafkaConfig, load_config
 from stream_rl.errors import ConfigError, KafkaError
 
 pytestmark = pytest.mark.unit
@@ -178,11 +178,15 @@ def _calls(name: str, methods: bool = True) -> list[tuple[Path, ast.Call]]:
 
 def test_every_process_builds_its_transport_from_its_config() -> None:
     """Stages, trainer, launcher, status, lag, topics, replay, rescore, export, track: each builds
-    its KafkaTransport with `KafkaTransport.for_config` (the properties of its run config), never
-    `KafkaTransport(...)` bare, and every `check_reachable` outside the client passes properties."""
+    its KafkaTransport with `KafkaTransport.for_run` (the properties, data dir, outage timeout and
+    compression of its run config), never `for_config` or `KafkaTransport(...)` by hand (before,
+    replay, export, track, rescore and lag skipped the data dir, the outage timeout and the
+    compression), and every `check_reachable` outside the client passes properties."""
     bare = [f"{p}:{c.lineno}" for p, c in _calls("KafkaTransport")]
     assert bare == []
-    users = {str(p) for p, _ in _calls("for_config")}
+    by_hand = {f"{p}:{c.lineno}" for p, c in _calls("for_config") if str(p) != "stream_rl/kafka/client.py"}
+    assert by_hand <= {"stream_rl/stages/actor.py:119"}, by_hand  # Admission.for_config, not Kafka
+    users = {str(p) for p, _ in _calls("for_run")}
     for module in (
         "stages/entry.py",  # every stage's, the trainer's included
         "launch.py",
@@ -191,6 +195,10 @@ def test_every_process_builds_its_transport_from_its_config() -> None:
         "train/replay.py",
         "stages/preprocessor_replay.py",
         "monitor.py",
+        "scaling.py",
+        "export.py",
+        "track.py",
+        "rescore.py",
     ):
         assert f"stream_rl/{module}" in users, module
     for path, call in _calls("check_reachable", methods=False):  # a transport's own carries them
@@ -285,3 +293,20 @@ def test_a_secured_local_broker_writes_one_listener_set(tmp_path: Path) -> None:
     assert "alice-pass-77" not in repr(listener) and "kp" not in repr(listener)
     with pytest.raises(ValueError, match="may not hold quotes"):
         SaslSslListener(9444, tmp_path, "kp", tmp_path, {"bob": 'p"w'}).server_properties("127.0.0.1")
+
+
+def test_a_runs_transport_takes_its_data_dir_outage_timeout_and_compression(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    monkeypatch.delenv("STREAM_RL_KAFKA_BOOTSTRAP", raising=False)
+
+    from stream_rl.kafka.client import KafkaTransport
+
+    (tmp_path / "cluster.json").write_text(json.dumps({"ports": [19092, 19093]}))
+    kafka = KafkaConfig(data_dir=str(tmp_path), outage_timeout_s=7.5, compression="zstd")
+    transport = KafkaTransport.for_run(kafka)
+    assert transport.bootstrap == "127.0.0.1:19092,127.0.0.1:19093"
+    assert (transport.outage_s, transport.compression) == (7.5, "zstd")
+    assert KafkaTransport.for_run(kafka, "elsewhere:9092").bootstrap == "elsewhere:9092"
