@@ -1,5 +1,5 @@
 """PipelineRL's comparison on this machine: the same task, model, seed and hyper-parameters run
-to the same number of samples in each mode of DESIGN §7, one after the other, each through the
+to the same number of samples in each mode below, one after the other, each through the
 real launcher (`stream-rl run CONFIG --set ...`, its own local broker on a free port):
 
 - `conventional`: `mode: conventional` (one step's worth of samples per version, lag 0, weights

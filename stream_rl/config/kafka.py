@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
-from stream_rl.config.base import BOOTSTRAP_ENV, DEFAULT_PREFIX, Model
+from stream_rl.config.base import DEFAULT_PREFIX, Model
 from stream_rl.errors import ConfigError
 
 RESERVED_KAFKA_PROPERTIES = {
@@ -156,7 +156,3 @@ class KafkaConfig(Model):
                 f"kafka.min_insync_replicas ({isr}) must not exceed kafka.replication_factor ({rf})"
             )
         return self
-
-    def resolved_bootstrap(self) -> str:
-        """The bootstrap address: config, then environment, then the local broker's default."""
-        return self.bootstrap or os.environ.get(BOOTSTRAP_ENV) or f"127.0.0.1:{self.port}"

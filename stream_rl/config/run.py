@@ -102,6 +102,11 @@ class RunConfig(Model):
         return self
 
     @property
+    def lag_bound(self) -> int:
+        """The most versions a trained sample may lag: 0 in conventional mode, else `actor.max_lag`."""
+        return 0 if self.mode == "conventional" else self.actor.max_lag
+
+    @property
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / self.run
 

@@ -268,12 +268,6 @@ class TextCompletionResponse(_Response):
     choices: list[TextChoice]
 
 
-class UpdateWeightsResponse(BaseModel):
-    version: int
-    receive_ms: float
-    stall_ms: float
-
-
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict[str, Any]:
     """OpenAI-style error: `{"error": {"message", "type", "param", "code"}}`."""
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}

@@ -430,7 +430,7 @@ class Actor:
             backoff_s=self.cfg.backoff_s,
             backoff_max_s=self.cfg.backoff_max_s,
             cooldown_s=self.cfg.dead_cooldown_s,
-            max_lag=0 if self.config.mode == "conventional" else self.cfg.max_lag,
+            max_lag=self.config.lag_bound,
         )
         self.follower = VersionFollower(
             self.transport,

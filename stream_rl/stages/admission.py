@@ -96,8 +96,9 @@ Key = tuple[int, int]
 
 
 def admission_bound(mode: str, max_lag: int, samples_per_step: int, group_size: int) -> int:
-    """B: the most samples admitted but not resolved (see the module docstring)."""
-    lag = 0 if mode == "conventional" else max_lag
+    """B: the most samples admitted but not resolved (see the module docstring); `max_lag` counts
+    in pipeline mode only (`RunConfig.lag_bound`)."""
+    lag = max_lag if mode == "pipeline" else 0
     whole_groups = math.ceil(samples_per_step / group_size) * group_size
     return max((lag + 1) * samples_per_step, whole_groups)
 
@@ -367,10 +368,6 @@ class Admission:
             if self.resolved is None:
                 return False
             return self._admitted() + self.group_size <= self._base() + self._bound()
-
-    def open_problems(self) -> int:
-        with self._lock:
-            return len(self._open)
 
     def describe(self) -> str:
         with self._lock:

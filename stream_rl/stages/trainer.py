@@ -409,8 +409,9 @@ class TrainerStage:
         return self.stats
 
     def _loop(self, consumer: Consumer, target: int, idle_timeout_s: float | None) -> None:
-        bound = 0 if self.config.mode == "conventional" else self.config.actor.max_lag
-        runner = StepRunner(self.trainer, self.tcfg.pack_row_tokens, self.trained, lag_bound=bound)
+        runner = StepRunner(
+            self.trainer, self.tcfg.pack_row_tokens, self.trained, lag_bound=self.config.lag_bound
+        )
         buffer: deque[Message] = deque()
         last_input = time.monotonic()
         while True:

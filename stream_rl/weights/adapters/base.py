@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import socket
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -31,10 +30,11 @@ import torch
 
 from stream_rl.contracts.core import INCOMPLETE
 from stream_rl.errors import WeightSyncError
+from stream_rl.kafka.broker import free_port
 from stream_rl.weights.client import ServerEndpoint
 from stream_rl.weights.sender import PushReport
 
-__all__ = ["INCOMPLETE", "EngineSender", "dtype_name", "free_port", "require_cuda"]
+__all__ = ["INCOMPLETE", "EngineSender", "dtype_name", "require_cuda"]
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +42,6 @@ log = logging.getLogger(__name__)
 def require_cuda(engine: str) -> None:
     if not torch.cuda.is_available():
         raise WeightSyncError(f"the {engine} adapter needs CUDA (its weights travel over NCCL)")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return int(probe.getsockname()[1])
 
 
 @dataclass
@@ -101,7 +95,7 @@ class EngineSender(ABC):
 
     def _port(self) -> int:
         if self.master_port == 0:
-            return free_port()
+            return free_port(self.master_addr)
         port, self._next_port = self._next_port, self._next_port + 1
         return port
 
