@@ -35,7 +35,7 @@ from stream_rl.kafka.broker import LocalBroker, free_port
 from stream_rl.kafka.stage import StopFlag
 from stream_rl.scaling import Scaling
 from stream_rl.supervision import STOP_GRACE_S, Supervision
-from stream_rl.train.record import software, software_header
+from stream_rl.train.record import engine_label, software, software_header
 from stream_rl.watchdog import Watchdog
 
 __all__ = [
@@ -269,7 +269,10 @@ class Launcher(Supervision, Scaling):
         engine_version = check_engine(self.config)
         if engine_version:
             print(f"inference engine: {self.config.inference.engine} {engine_version}", file=sys.stderr)
-        self.software = software(self.config.inference.engine, engine_version)
+        self.software = {
+            **self.software,
+            "engine": engine_label(self.config.inference.engine, engine_version),
+        }
         self.bootstrap = self.start_broker()
         identity = self.check_identity()
         self.start_fork_server()

@@ -63,8 +63,13 @@ def software(engine: str | None = None, engine_version: str | None = None) -> di
         **{name: version(name) for name in PINNED},
     }
     if engine is not None:
-        out["engine"] = engine if engine == "builtin" else f"{engine} {engine_version or '?'}"
+        out["engine"] = engine_label(engine, engine_version)
     return out
+
+
+def engine_label(engine: str, version: str | None = None) -> str:
+    """`builtin`, or the engine and its release (`vllm 0.32.0`; `?` while not probed)."""
+    return engine if engine == "builtin" else f"{engine} {version or '?'}"
 
 
 def software_header(versions: dict[str, str | None]) -> str:

@@ -88,9 +88,12 @@ def none_trained_twice(data: dict[str, Any], group_size: int, at_least: int) -> 
     assert set(sizes.values()) == {group_size}
 
 
-def _lags(data: dict[str, Any]) -> list[int]:
+def _lags(data: dict[str, Any], nonempty: bool = False) -> list[int]:
+    """Per trained sample, its version lag (`nonempty`: completions of at least one token only)."""
     return [
-        v - min(sp["version"] for sp in s["version_spans"]) for v, s in trained(data) if s["version_spans"]
+        v - min(sp["version"] for sp in s["version_spans"])
+        for v, s in trained(data)
+        if s["version_spans"] and (not nonempty or len(s["input_ids"]) > s["prompt_len"])
     ]
 
 
@@ -113,12 +116,7 @@ def over_the_bound_only_as_reported(data: dict[str, Any], max_lag: int, at_most:
     for wv in data["weight-versions"]:
         firsts.setdefault(wv["version"], wv)
     reported = sum(int(wv["metrics"].get("samples_over_lag_bound", 0)) for wv in firsts.values())
-    # The trainer leaves empty completions out of its lags (no token to be stale).
-    counted = [
-        v - min(sp["version"] for sp in s["version_spans"])
-        for v, s in trained(data)
-        if s["version_spans"] and len(s["input_ids"]) > s["prompt_len"]
-    ]
+    counted = _lags(data, nonempty=True)  # the trainer leaves empty completions out of its lags
     assert reported >= sum(1 for lag in counted if lag > max_lag), (reported, Counter(counted))
 
 
