@@ -20,6 +20,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("kafka", "stream_rl.kafka.commands", "local Kafka broker: fetch, up, down, status"),
     ("topics", "stream_rl.kafka.commands", "create (apply) or list a run's topics"),
     ("lag", "stream_rl.kafka.commands", "consumer lag of a run's groups"),
+    ("acls", "stream_rl.kafka.acl_admin", "the ACLs of a run's principals: plan (print) or apply"),
     ("loader", "stream_rl.stages.loader", "write the task's problems to `problems` (idempotent)"),
     ("actor", "stream_rl.stages.actor", "sample groups of rollouts from the inference servers"),
     ("verifier", "stream_rl.stages.verifier", "score rollouts with the task's reward function"),

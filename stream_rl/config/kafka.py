@@ -65,6 +65,41 @@ def resolve_secret(ref: str, key: str) -> SecretStr:
     return SecretStr(text.rstrip("\r\n"))
 
 
+class KafkaPrincipals(Model):
+    """The Kafka principal each kind of process authenticates as (`stream-rl acls plan|apply`
+    derive their ACLs from the topology). None: no ACLs planned for that kind."""
+
+    loader: str | None = None
+    """Principal of the loader, e.g. `User:loader`."""
+    actor: str | None = None
+    """Principal of every actor replica."""
+    verifier: str | None = None
+    """Principal of every verifier replica."""
+    preprocessor: str | None = None
+    """Principal of every preprocessor replica."""
+    trainer: str | None = None
+    """Principal of the trainer."""
+    evaluator: str | None = None
+    """Principal of the evaluator."""
+    launcher: str | None = None
+    """Principal of `stream-rl run` itself (creates the topics, publishes the schemas, reads lag)."""
+    operator: str | None = None
+    """Principal of the person or job running `topics apply`, `lag`, `status`, `servers`, `export`,
+    `track` against the run."""
+
+    @field_validator("*")
+    @classmethod
+    def _principal(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        kind, _, name = value.partition(":")
+        if not kind or not name or not kind.isalpha():
+            raise ValueError(f"{value!r}: a principal is TYPE:NAME, e.g. User:actor")
+        if "*" in value:
+            raise ValueError(f"{value!r}: no wildcard principals (each kind gets exactly its own rights)")
+        return value
+
+
 class KafkaConfig(Model):
     bootstrap: str | None = None
     """Bootstrap servers (`host:port,...`). None: the launcher starts (or reuses) the local broker;
@@ -100,6 +135,8 @@ class KafkaConfig(Model):
     each given as a reference: `${NAME}` (an environment variable) or `file:PATH` (the file's
     content). Run directories and logs hold the reference only; each process reads the value
     (as a `SecretStr`) when it opens its Kafka clients."""
+    principals: KafkaPrincipals = Field(default_factory=KafkaPrincipals)
+    """Who each kind of process is on a cluster with ACLs (README "Running on a Kafka cluster")."""
 
     @field_validator("client_properties", "secret_properties", mode="before")
     @classmethod

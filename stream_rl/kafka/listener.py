@@ -29,6 +29,11 @@ class SaslSslListener:
     """The certificate clients trust (`ssl.ca.location`): the broker's own when self-signed."""
     users: dict[str, str] = field(repr=False, default_factory=dict)
     """SASL/PLAIN users: name -> password."""
+    acl_super_users: tuple[str, ...] | None = None
+    """None: no authorizer (every user may do anything). Names: the broker authorizes every request
+    with ACLs (KRaft's `StandardAuthorizer`, nothing allowed without one); these users are super
+    users, and so is the broker itself on its PLAINTEXT and CONTROLLER listeners (`User:ANONYMOUS`,
+    hence any client on the loopback PLAINTEXT port too)."""
 
     def server_properties(self, host: str) -> dict[str, str]:
         """The broker's properties for this listener, on top of the PLAINTEXT/CONTROLLER ones."""
@@ -44,6 +49,16 @@ class SaslSslListener:
             "ssl.keystore.password": self.keystore_password,
             "ssl.key.password": self.keystore_password,
             "ssl.client.auth": "none",
+            **self._authorizer(),
+        }
+
+    def _authorizer(self) -> dict[str, str]:
+        if self.acl_super_users is None:
+            return {}
+        supers = ["User:ANONYMOUS", *(f"User:{name}" for name in self.acl_super_users)]
+        return {
+            "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+            "super.users": ";".join(supers),
         }
 
     def client_properties(self, username: str) -> dict[str, str]:
