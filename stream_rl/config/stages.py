@@ -152,12 +152,18 @@ class TrainerConfig(Model):
     """Cosine floor as a fraction of lr (1.0 = constant after warm-up)."""
     grad_clip: float = Field(1.0, gt=0)
     """Gradient-norm clipping threshold."""
-    policy_loss: Literal["reinforce", "ppo"] = "reinforce"
-    """`reinforce`: truncated IS (PipelineRL default). `ppo`: clipped surrogate."""
-    eps_low: float = Field(0.02, ge=0)
-    """PPO lower clip."""
-    eps_high: float = Field(0.02, ge=0)
-    """Truncation of the IS weight (reinforce) / PPO upper clip."""
+    policy_loss: Literal["reinforce", "ppo", "gspo", "cispo"] = "reinforce"
+    """`reinforce`: truncated IS (PipelineRL default). `ppo`: clipped surrogate, per token.
+    `gspo`: clipped surrogate on the length-normalised sequence ratio (Qwen's GSPO). `cispo`:
+    truncated IS with an optional lower bound on the weight (MiniMax-M1). Formulas and how each
+    sums into the step's loss: `stream_rl/rl/losses.py`."""
+    eps_low: float | None = Field(None, ge=0)
+    """Lower clip: the ratio's `1 - eps_low` (ppo: per token; gspo: per sequence) or the IS
+    weight's lower bound (cispo). None: the loss's default (ppo 0.02, gspo 3e-4, cispo no lower
+    bound). reinforce has no lower bound: setting it is an error."""
+    eps_high: float | None = Field(None, ge=0)
+    """Upper clip: the ratio's `1 + eps_high` (ppo, gspo) or the IS weight's cap (reinforce,
+    cispo). None: the loss's default (reinforce 0.02, ppo 0.02, gspo 4e-4, cispo 0.28)."""
     kl_coef: float = Field(0.0, ge=0)
     """k3 KL to the reference (initial) model."""
     entropy_coef: float = Field(0.0, ge=0)
@@ -213,6 +219,15 @@ class TrainerConfig(Model):
     """Checkpoints kept on disk (the oldest are deleted after a new one is durable)."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Serve Prometheus `/metrics` on this port (0 = any free port; None = off)."""
+
+    @model_validator(mode="after")
+    def _check_clip(self) -> TrainerConfig:
+        if self.policy_loss == "reinforce" and self.eps_low is not None:
+            raise ValueError(
+                "trainer.eps_low: reinforce never clamps its weight below (leave eps_low unset, "
+                "or use policy_loss cispo for a lower bound)"
+            )
+        return self
 
 
 class EvalConfig(Model):

@@ -7,10 +7,16 @@ averages would weight micro-batches wrongly.
 Definitions, over the tokens where `mask` is true (all trainable tokens, including those of
 overlong-filtered sequences: the statistics describe the data, not only what the loss used),
 with `rho = exp(logp - behaviour_logp)`:
-- `ratio_mean` = mean rho; `ratio_max` = max rho.
-- `clamp_fraction`: fraction of tokens whose weight the loss clamps. `reinforce`: rho > 1 + eps_high
-  (the truncated IS weight is cut). `ppo`: the clipped branch is active and flat, i.e.
-  (A > 0 and rho > 1 + eps_high) or (A < 0 and rho < 1 - eps_low).
+- `ratio_mean` = mean rho; `ratio_max` = max rho (token ratios, whatever the loss).
+- `clamp_fraction`: fraction of tokens whose weight the loss clamps, with the loss's resolved
+  (eps_low, eps_high). `reinforce` and `cispo`: the IS weight is cut, rho > 1 + eps_high or (cispo
+  with eps_low) rho < 1 - eps_low; the token keeps a gradient. `ppo`: the clipped branch is active
+  and flat (the token's gradient is zero), (A > 0 and rho > 1 + eps_high) or
+  (A < 0 and rho < 1 - eps_low). `gspo`: the same test on the *sequence* ratio s (below) instead
+  of rho, so every token of a clipped sequence counts (the GSPO paper's fraction of clipped tokens).
+- `seq_ratio_mean` = mean over sequences of s = exp(mean over the sequence's tokens of log rho),
+  the length-normalised sequence ratio GSPO clips (when sequence ids are given; `sequences` counts
+  the sequences with at least one masked token).
 - `ess` = (sum rho)^2 / (n * sum rho^2), in (0, 1]: token-level effective sample size fraction
   (PipelineRL's `rl/ess`); 1 when on-policy.
 - `kl_new_old` = mean of k3 = rho - 1 - log rho >= 0: the unbiased, non-negative estimate of
@@ -50,6 +56,8 @@ class TokenStats:
     entropy_tokens: int = 0
     kl_ref_sum: float = 0.0
     kl_ref_tokens: int = 0
+    sequences: int = 0
+    seq_ratio_sum: float = 0.0
 
     def __add__(self, other: TokenStats) -> TokenStats:
         out = TokenStats()
@@ -73,6 +81,8 @@ class TokenStats:
             out["entropy"] = self.entropy_sum / self.entropy_tokens
         if self.kl_ref_tokens:
             out["kl_ref"] = self.kl_ref_sum / self.kl_ref_tokens
+        if self.sequences:
+            out["seq_ratio_mean"] = self.seq_ratio_sum / self.sequences
         return out
 
 
@@ -85,6 +95,28 @@ def k3_to_reference(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
+def sequence_means(
+    values: torch.Tensor, mask: torch.Tensor, sequence_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sequence mean of `values` over its masked tokens, for any layout.
+
+    `sequence_ids` (integers, the shape of `values`) names each token's sequence; a sequence's
+    tokens need not be contiguous. Returns `(means [S], counts [S], index)`: for the S distinct
+    ids in sorted order, the mean over masked tokens (0 for a sequence without any) and the
+    number of masked tokens, and `index` (the shape of `values`) maps each token to its sequence,
+    so `means[index]` broadcasts back. Values at unmasked positions must be finite (zero them
+    first). Differentiable in `values` (the trainer passes detached ones).
+    """
+    ids, index = torch.unique(sequence_ids, return_inverse=True)
+    flat = index.reshape(-1)
+    m = mask.reshape(-1).to(values.dtype)
+    sums = torch.zeros(len(ids), dtype=values.dtype, device=values.device)
+    counts = torch.zeros(len(ids), dtype=values.dtype, device=values.device)
+    sums = sums.index_add(0, flat, values.reshape(-1) * m)
+    counts = counts.index_add(0, flat, m)
+    return sums / counts.clamp(min=1.0), counts, index
+
+
 @torch.no_grad()
 def token_stats(
     logp: torch.Tensor,
@@ -93,16 +125,19 @@ def token_stats(
     *,
     advantages: torch.Tensor | None = None,
     policy_loss: str = "reinforce",
-    eps_low: float = 0.02,
+    eps_low: float | None = 0.02,
     eps_high: float = 0.02,
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     filtered: torch.Tensor | None = None,
+    sequence_ids: torch.Tensor | None = None,
 ) -> TokenStats:
     """Statistics of one micro-batch; all tensors share one shape (flat `[N]` or `[B, T]`).
 
-    `advantages` is needed for the `ppo` clamp fraction; `filtered` marks tokens whose sequence
-    the loss drops (overlong filtering).
+    `eps_low`/`eps_high` are the loss's resolved clip range (`eps_low=None`: no lower bound).
+    `advantages` is needed for the `ppo` and `gspo` clamp fractions, `sequence_ids` (each token's
+    sequence, as in `sequence_means`) for `gspo`'s and for `seq_ratio_mean`; `filtered` marks
+    tokens whose sequence the loss drops (overlong filtering).
     """
     m = mask.bool()
     n = int(m.sum().item())
@@ -112,13 +147,23 @@ def token_stats(
     lp = logp.detach()[m].double()
     log_ratio = lp - behaviour_logp.detach()[m].double()
     rho = torch.exp(log_ratio)
-    if policy_loss == "ppo":
+    seq_ratio = None
+    if sequence_ids is not None:
+        means, _, index = sequence_means(log_ratio, torch.ones_like(log_ratio), sequence_ids[m])
+        seq_ratio = torch.exp(means)  # every sequence here has a masked token
+    if policy_loss in ("ppo", "gspo"):
         if advantages is None:
-            raise ValueError("token_stats: the ppo clamp fraction needs the advantages")
+            raise ValueError(f"token_stats: the {policy_loss} clamp fraction needs the advantages")
+        if policy_loss == "gspo" and seq_ratio is None:
+            raise ValueError("token_stats: the gspo clamp fraction needs the sequence ids")
         adv = advantages.detach()[m].double()
-        clamped = ((adv > 0) & (rho > 1 + eps_high)) | ((adv < 0) & (rho < 1 - eps_low))
+        r = seq_ratio[index] if seq_ratio is not None and policy_loss == "gspo" else rho
+        low = -math.inf if eps_low is None else 1 - eps_low
+        clamped = ((adv > 0) & (r > 1 + eps_high)) | ((adv < 0) & (r < low))
     else:
         clamped = rho > 1 + eps_high
+        if policy_loss == "cispo" and eps_low is not None:  # reinforce's weight has no lower bound
+            clamped |= rho < 1 - eps_low
     sums = [
         clamped.sum().double(),
         rho.sum(),
@@ -133,6 +178,8 @@ def token_stats(
         sums.append(k3_to_reference(lp, ref_logp.detach()[m].double()).sum())
     if filtered is not None:
         sums.append((filtered.bool() & m).sum().double())
+    if seq_ratio is not None:
+        sums.append(seq_ratio.sum())
     values = torch.stack(sums).tolist()  # one device sync for the whole micro-batch
     stats.clamped = int(values[0])
     stats.ratio_sum, stats.ratio_sq_sum, stats.ratio_max = values[1], values[2], values[3]
@@ -144,4 +191,6 @@ def token_stats(
         stats.kl_ref_sum, stats.kl_ref_tokens = rest.pop(0), n
     if filtered is not None:
         stats.filtered_tokens = int(rest.pop(0))
+    if seq_ratio is not None:
+        stats.seq_ratio_sum, stats.sequences = rest.pop(0), len(seq_ratio)
     return stats

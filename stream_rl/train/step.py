@@ -7,12 +7,15 @@ Contract:
   next-token labels; the LM head runs on completion positions only), and back-propagates the
   *summed* policy loss (`stream_rl.rl.losses.policy_loss` with `num_sequences=1`), one backward
   per forward pass, so the activations of one pass at a time are held. Gradients accumulate
-  across passes and micro-batches.
+  across passes and micro-batches. Each sample is whole in one pass, and the loss gets each
+  token's sample (`sample_of_token`) as its sequence id: `gspo`'s per-sequence ratio and
+  `seq_ratio_mean` need them.
 - `PolicyTrainer.optimizer_step(num_sequences)` divides the accumulated gradients by the number
-  of sequences trained in the step (so the step's loss is `sum over tokens / sequences`, as in
-  PipelineRL), clips the gradient norm, steps AdamW and the warm-up + cosine schedule, and
-  clears the gradients. A step with no trained sequence (all filtered) leaves the weights as
-  they are (AdamW skips parameters without gradients) but still advances the schedule.
+  of sequences trained in the step (so the step's loss is `sum over tokens / sequences` for the
+  token-level losses, as in PipelineRL, and gspo's mean of its per-sequence objectives), clips
+  the gradient norm, steps AdamW and the warm-up + cosine schedule, and clears the gradients.
+  A step with no trained sequence (all filtered) leaves the weights as they are (AdamW skips
+  parameters without gradients) but still advances the schedule.
 - The model runs in eval mode: no dropout, so the recomputed logprobs are the sampler's (the
   gradient flows all the same).
 - Deterministic on CPU (`configure_determinism`): the same micro-batches in the same order give
@@ -183,6 +186,7 @@ def micro_loss(
         entropy_coef=cfg.entropy_coef,
         truncated=packed.truncated.to(dev),
         overlong_filtering=cfg.overlong_filtering,
+        sequence_ids=packed.sample_of_token.to(dev),
     )
 
 
