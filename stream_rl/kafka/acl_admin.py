@@ -64,6 +64,10 @@ def _row(acl: Acl) -> str:
     return f"{acl.principal} {acl.operation} {acl.resource_type} {acl.name} ({acl.pattern_type}, {acl.permission})"
 
 
+_LIBRARY_TYPE = {"CLUSTER": "BROKER"}
+"""Kafka's resource type 4, CLUSTER, is `ResourceType.BROKER` in confluent-kafka."""
+
+
 class KafkaAcls:
     """`AclAdmin` over confluent-kafka's AdminClient; library errors become one-line KafkaErrors."""
 
@@ -81,7 +85,7 @@ class KafkaAcls:
         )
 
         return AclBinding(
-            ResourceType[acl.resource_type],
+            ResourceType[_LIBRARY_TYPE.get(acl.resource_type, acl.resource_type)],
             acl.name,
             ResourcePatternType[acl.pattern_type],
             acl.principal,
@@ -94,7 +98,9 @@ class KafkaAcls:
     def acl(binding: Any) -> Acl:
         return Acl(
             principal=binding.principal,
-            resource_type=binding.restype.name,
+            resource_type={v: k for k, v in _LIBRARY_TYPE.items()}.get(
+                binding.restype.name, binding.restype.name
+            ),
             name=binding.name,
             pattern_type=binding.resource_pattern_type.name,
             operation=binding.operation.name,
