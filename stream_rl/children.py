@@ -1,5 +1,6 @@
 """The launcher's child processes: `Child` (its command, directory, log and process), the
-environment every child starts with (`child_env`, the run's admin token) and `die_with_parent`."""
+environment every child starts with (`child_env`: the run's admin token and API key) and
+`die_with_parent`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Protocol
 
 from stream_rl.cli import STACKS_SIGNAL
 from stream_rl.config import ADMIN_TOKEN_ENV, RunConfig
+from stream_rl.config.inference import API_KEY_ENV
 from stream_rl.kafka.outage import REACHABLE_WAIT_ENV
 
 
@@ -108,12 +110,35 @@ def run_admin_token(config: RunConfig) -> str | None:
     return secrets.token_urlsafe(32)
 
 
-def child_env(config: RunConfig, admin_token: str | None = None) -> dict[str, str]:
+def run_api_key(config: RunConfig) -> str | None:
+    """The key guarding the servers' OpenAI routes (`/v1/*`): the configured one
+    (`inference.api_key`, else $VLLM_API_KEY), else a fresh one per run when the launcher starts
+    servers that listen beyond loopback (anyone who reaches the port could sample otherwise),
+    else None. Like the admin token it travels in the children's environment only ($VLLM_API_KEY:
+    the built-in server, vLLM and every client here read it), never on a command line (`ps`)."""
+    secret = config.inference.api_key_secret()
+    if secret is not None:
+        return secret.get_secret_value()
+    inf = config.inference
+    if inf.servers or inf.num_servers == 0 or not inf.listens_beyond_loopback():
+        return None
+    import secrets
+
+    return secrets.token_urlsafe(32)
+
+
+def child_env(
+    config: RunConfig, admin_token: str | None = None, api_key: str | None = None
+) -> dict[str, str]:
+    """The launcher's environment plus what every child needs; the run's admin token and API key
+    when set (a `None` key leaves an inherited $VLLM_API_KEY alone: `run_api_key` returned it)."""
     # The launcher has reached the broker: a child (re)started during an outage waits it out
     # instead of failing fast as for a wrong address.
     env = {**os.environ, "PYTHONUNBUFFERED": "1", REACHABLE_WAIT_ENV: str(config.kafka.outage_timeout_s)}
     if admin_token is not None:
         env[ADMIN_TOKEN_ENV] = admin_token
+    if api_key is not None:
+        env[API_KEY_ENV] = api_key
     return env
 
 

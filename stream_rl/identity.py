@@ -42,6 +42,7 @@ OPERATIONAL = (
     "inference.base_port",
     "inference.servers",
     "inference.admin_token",
+    "inference.api_key",
     "inference.torch_threads",
     "inference.weights_timeout_s",
     "actor.concurrency_per_server",

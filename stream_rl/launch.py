@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from stream_rl import heap
-from stream_rl.children import Child, child_env, die_with_parent, run_admin_token
+from stream_rl.children import Child, child_env, die_with_parent, run_admin_token, run_api_key
 from stream_rl.config import RunConfig, dump_config, load_config
 from stream_rl.contracts import WeightVersionKind
 from stream_rl.identity import Identity, RunState, decide
@@ -47,6 +47,7 @@ __all__ = [
     "die_with_parent",
     "main_run",
     "run_admin_token",
+    "run_api_key",
     "summary_line",
 ]
 
@@ -64,6 +65,7 @@ class Launcher(Supervision, Scaling):
         self.server_startup_s = 120.0
         self.stalled: str | None = None
         self.admin_token = run_admin_token(config)
+        self.api_key = run_api_key(config)
         self._launcher_port: int | None = None
         self._kafka = None
         self._scaled_servers: set[str] = set()

@@ -74,10 +74,10 @@ def _transport(config: RunConfig) -> tuple[Transport, TopicNames]:
     return transport, names
 
 
-def _client(engine: str, url: str) -> object:
+def _client(engine: str, url: str, api_key: str | None = None) -> object:
     from stream_rl.inference.clients import make_client
 
-    return make_client(engine, url, timeout_s=5.0)
+    return make_client(engine, url, timeout_s=5.0, api_key=api_key)
 
 
 async def _healthy(engine: str, url: str, timeout_s: float) -> None:
@@ -100,8 +100,8 @@ async def _healthy(engine: str, url: str, timeout_s: float) -> None:
         await client.aclose()  # type: ignore[attr-defined]
 
 
-async def _held(engine: str, url: str) -> int | None:
-    client = _client(engine, url)
+async def _held(engine: str, url: str, api_key: str | None = None) -> int | None:
+    client = _client(engine, url, api_key)
     try:
         return await client.version()  # type: ignore[attr-defined]
     except InferenceError:
@@ -139,10 +139,12 @@ def join_server(
     wait: bool = True,
     say: Callable[[str], None] = print,
     who: str | None = None,
+    api_key: str | None = None,
 ) -> float | None:
     """The join of docs/servers-protocol.md: wait for its health route, write `joined`, then
     (with `wait`) until it holds the newest published version. Returns the seconds from the record
-    to that (None without `wait`); raises `InferenceError` on a timeout."""
+    to that (None without `wait`); raises `InferenceError` on a timeout. `api_key`: the server's
+    OpenAI-routes key (the built-in server reports its version on `/v1/models`)."""
     started = time.monotonic()
     asyncio.run(_healthy(engine, url, timeout_s))
     member = ServerMembership(names.run, url, engine, MembershipState.JOINED, who or _who())
@@ -154,7 +156,7 @@ def join_server(
     deadline = written + timeout_s
     while True:
         newest = _newest(transport, names)
-        held = asyncio.run(_held(engine, url))
+        held = asyncio.run(_held(engine, url, api_key))
         if newest is not None and held is not None and held >= newest:
             took = time.monotonic() - written
             say(
@@ -239,7 +241,9 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError("--no-wait is for join")
     transport, names = _transport(config)
     if args.action == "join":
-        join_server(transport, names, url, engine, args.timeout_s, wait=not args.no_wait)
+        secret = config.inference.api_key_secret()
+        key = secret.get_secret_value() if secret else None
+        join_server(transport, names, url, engine, args.timeout_s, wait=not args.no_wait, api_key=key)
     else:
         leave_server(transport, names, url, engine, args.timeout_s)
     return 0

@@ -81,6 +81,7 @@ class Scaling:
     children: list[Child]
     bootstrap: str
     server_startup_s: float
+    api_key: str | None
     _launcher_port: int | None
 
     _kafka: Transport | None
@@ -247,6 +248,7 @@ class Scaling:
                 JOIN_TIMEOUT_S,
                 say=say,
                 who="launcher",
+                api_key=self.api_key,
             )
         except StreamRLError:
             self._terminate(child)

@@ -40,6 +40,7 @@ class Supervision:
     server_startup_s: float
     stalled: str | None
     admin_token: str | None
+    api_key: str | None
     _launcher_port: int | None
     _fork_server: ForkServer | None
 
@@ -99,7 +100,7 @@ class Supervision:
         if cfg.launcher.fork_stages == "off" or not on_cpu or not forkserver.available():
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        env = child_env(self.config, self.admin_token)
+        env = child_env(self.config, self.admin_token, self.api_key)
         log = self.run_dir / "forkserver.log"
         self._fork_server = forkserver.ForkServer.start(env, log, cfg.model.path)
         print(
@@ -113,7 +114,7 @@ class Supervision:
             self._fork_server = None
 
     def spawn(self, child: Child) -> None:
-        env = {**child_env(self.config, self.admin_token), **child.env}
+        env = {**child_env(self.config, self.admin_token, self.api_key), **child.env}
         server = self._fork_server
         forked = False
         if server is not None and child.dumps_stacks and child.cmd[0] == sys.executable:

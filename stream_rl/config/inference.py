@@ -8,6 +8,13 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 
 from stream_rl.config.base import ADMIN_TOKEN_ENV, Model
+from stream_rl.config.kafka import resolve_secret
+from stream_rl.errors import ConfigError
+
+API_KEY_ENV = "VLLM_API_KEY"
+"""The environment variable holding the OpenAI routes' key: vLLM reads it (as `--api-key`), the
+built-in server and every client here too, so one variable serves both engines."""
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 ENGINES = ("builtin", "vllm", "sglang")
 Engine = Literal["builtin", "vllm", "sglang"]
@@ -102,12 +109,49 @@ class InferenceConfig(Model):
     )
     """Bearer token required by `/weights/*` when set (default: $STREAM_RL_ADMIN_TOKEN). Never
     written into run directories: the launcher passes it to its children in the environment."""
+    api_key: str | None = None
+    """The key the OpenAI routes (`/v1/*`) require as `Authorization: Bearer <key>`, given as a
+    reference: `${ENV_VAR}` or `file:PATH`, never the key itself (configs are copied into run
+    directories). None: $VLLM_API_KEY when set, else no key, and the launcher makes one per run
+    when its servers listen beyond loopback. Distinct from `admin_token`: samplers (actors, the
+    evaluator, outside clients) get this key, only the trainer gets the admin token."""
     torch_threads: int = Field(1, ge=1)
     """torch intra-op threads per server process."""
     weights_timeout_s: float = Field(60.0, gt=0)
     """Timeout of the weight-sync group's collectives on the server side (join, each update)."""
     seed: int | None = None
     """Seed of the sampling of requests that carry no seed (None: fresh entropy per server start)."""
+
+    @field_validator("api_key")
+    @classmethod
+    def _api_key_reference(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not value.strip():
+            raise ValueError("empty: give a reference, ${ENV_VAR} or file:PATH, or leave it out")
+        if not (
+            (value.startswith("${") and value.endswith("}") and len(value) > 3) or value.startswith("file:")
+        ):
+            raise ValueError(
+                "give a reference, ${ENV_VAR} or file:PATH, never the key itself "
+                "(configs are copied into run directories)"
+            )
+        return value
+
+    def api_key_secret(self) -> SecretStr | None:
+        """The OpenAI routes' key: `api_key`'s reference read now, else $VLLM_API_KEY, else None.
+        One-line ConfigError when the reference names nothing or an empty value."""
+        if self.api_key is None:
+            value = os.environ.get(API_KEY_ENV)
+            return SecretStr(value) if value else None
+        secret = resolve_secret(self.api_key, "inference.api_key")
+        if not secret.get_secret_value().strip():
+            raise ConfigError(f"inference.api_key: {self.api_key} holds an empty key")
+        return secret
+
+    def listens_beyond_loopback(self) -> bool:
+        """Whether launched servers bind an address other hosts can reach."""
+        return self.host.strip("[]") not in LOOPBACK_HOSTS
 
     def server_list(self) -> list[ServerConfig]:
         """The run's servers: `servers` when set, else the `num_servers` the launcher starts at

@@ -17,6 +17,7 @@ Errors (retries are the caller's, `stream_rl/stages/routing.py`):
 - `InferenceError`: anything else: unreachable, a timeout, another non-2xx status, or a 200 whose
   body is not what the engine's API promises (the message quotes the body's first bytes).
 `health()` accepts any 200 (vLLM and SGLang answer with an empty body).
+With `api_key`, every call carries `Authorization: Bearer <api_key>` (the servers' `/v1/*` need it).
 """
 
 from __future__ import annotations
@@ -60,9 +61,15 @@ class InferenceClient:
     """Statuses by which this engine says "not now, retry" (raised as `ServerBusy`)."""
 
     def __init__(
-        self, base_url: str, *, timeout_s: float = 120.0, http: httpx.AsyncClient | None = None
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 120.0,
+        http: httpx.AsyncClient | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._own = http is None
         self._http = http or httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=256))
 
@@ -81,7 +88,7 @@ class InferenceClient:
         docstring says."""
         url = f"{self.base_url}{path}"
         try:
-            response = await self._http.request(method, url, json=body)
+            response = await self._http.request(method, url, json=body, headers=self._headers)
         except httpx.HTTPError as exc:
             raise InferenceError(f"{method} {url} failed: {type(exc).__name__}: {exc}") from exc
         if response.status_code >= 300:

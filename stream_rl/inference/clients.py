@@ -12,16 +12,19 @@ from stream_rl.errors import ConfigError
 from stream_rl.inference.client import BuiltinClient, InferenceClient
 
 
-def make_client(engine: str, base_url: str, *, timeout_s: float = 120.0) -> InferenceClient:
-    """The client of a server of `engine` (`builtin`, `vllm`, `sglang`)."""
+def make_client(
+    engine: str, base_url: str, *, timeout_s: float = 120.0, api_key: str | None = None
+) -> InferenceClient:
+    """The client of a server of `engine` (`builtin`, `vllm`, `sglang`); with `api_key`, every call
+    carries `Authorization: Bearer <api_key>`."""
     if engine == "builtin":
-        return BuiltinClient(base_url, timeout_s=timeout_s)
+        return BuiltinClient(base_url, timeout_s=timeout_s, api_key=api_key)
     if engine == "vllm":
         from stream_rl.inference.vllm_client import VLLMClient
 
-        return VLLMClient(base_url, timeout_s=timeout_s)
+        return VLLMClient(base_url, timeout_s=timeout_s, api_key=api_key)
     if engine == "sglang":
         from stream_rl.inference.sglang_client import SGLangClient
 
-        return SGLangClient(base_url, timeout_s=timeout_s)
+        return SGLangClient(base_url, timeout_s=timeout_s, api_key=api_key)
     raise ConfigError(f"inference engine must be one of {', '.join(ENGINES)}, got {engine!r}")

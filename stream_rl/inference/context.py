@@ -91,6 +91,8 @@ class ServerContext:
     metrics: ServerMetrics
     receiver_factory: ReceiverFactory
     admin_token: str | None = None
+    api_key: str | None = None
+    """The key the OpenAI routes (`/v1/*`) require (None: open)."""
     weights_timeout_s: float = 60.0
     receiver: Receiver | None = None
     ipc_peer: str | None = None
@@ -117,15 +119,23 @@ class ServerContext:
 
     def check_admin(self, request: Request) -> None:
         """401 unless the request carries `Authorization: Bearer <admin token>` (when one is set)."""
-        if self.admin_token is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), self.admin_token.encode()
-        ):
-            raise api_error(
-                401,
-                "missing or wrong admin token (Authorization: Bearer ...)",
-                "authentication_error",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+        check_bearer(request, self.admin_token, "admin token")
+
+    def check_api_key(self, request: Request) -> None:
+        """401 unless the request carries `Authorization: Bearer <API key>` (when one is set)."""
+        check_bearer(request, self.api_key, "API key")
+
+
+def check_bearer(request: Request, expected: str | None, what: str) -> None:
+    """401 (OpenAI's error shape, `WWW-Authenticate: Bearer`) unless the request's
+    `Authorization: Bearer <token>` equals `expected`, compared in constant time; None: open."""
+    if expected is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+        raise api_error(
+            401,
+            f"missing or wrong {what} (Authorization: Bearer ...)",
+            "authentication_error",
+            headers={"WWW-Authenticate": "Bearer"},
+        )

@@ -6,6 +6,9 @@ Consumes HTTP requests and weight broadcasts; produces completions. Routes:
   `{"status": "ok", "version"}` while the decode loop is alive, else 503), `GET /metrics`
   (Prometheus, metrics.py).
 - `/weights/*` (admin token): weights_routes.py (process groups), ipc_routes.py (CUDA IPC).
+Every `/v1/*` route requires `Authorization: Bearer <API key>` when the server has one
+(`--api-key`, else $VLLM_API_KEY, as vLLM reads it; 401 otherwise); `/health` and `/metrics`
+stay open (probes and Prometheus carry no key).
 Invariants: binds 127.0.0.1 unless told; every error is a JSON body with a 4xx/5xx status,
 never a crash; one engine thread decodes, the event loop only parses, queues and formats.
 
@@ -42,6 +45,7 @@ from stream_rl.inference.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 ADMIN_TOKEN_ENV = "STREAM_RL_ADMIN_TOKEN"
+API_KEY_ENV = "VLLM_API_KEY"
 
 
 def default_receiver_factory(**kwargs: Any) -> Any:
@@ -55,13 +59,15 @@ def create_app(
     *,
     model_name: str,
     admin_token: str | None = None,
+    api_key: str | None = None,
     receiver_factory: ReceiverFactory | None = None,
     weights_timeout_s: float = 60.0,
     max_body_bytes: int | None = None,
     model_aliases: tuple[str, ...] = (),
 ) -> FastAPI:
     """The FastAPI app around a (started or not) engine; the app's lifespan starts and stops it.
-    `max_body_bytes` and the model names (`model_name` and `model_aliases`) are guards.py's."""
+    `max_body_bytes` and the model names (`model_name` and `model_aliases`) are guards.py's.
+    `api_key`: the key every `/v1/*` route requires (None: open)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -81,6 +87,7 @@ def create_app(
         metrics=ServerMetrics(engine),
         receiver_factory=receiver_factory or default_receiver_factory,
         admin_token=admin_token or None,
+        api_key=api_key or None,
         weights_timeout_s=weights_timeout_s,
     )
     app.state.ctx = ctx
@@ -118,7 +125,10 @@ def create_app(
             {"status": "error", "version": engine.version, "message": "engine loop not running"}, 503
         )
 
-    @app.get("/v1/models")
+    def check_api_key(request: Request) -> None:
+        ctx.check_api_key(request)
+
+    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
     async def models() -> dict[str, Any]:
         card = {
             "id": model_name,
@@ -134,7 +144,9 @@ def create_app(
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    app.include_router(openai_routes.router, dependencies=[Depends(guards.check_model)])
+    app.include_router(
+        openai_routes.router, dependencies=[Depends(check_api_key), Depends(guards.check_model)]
+    )
     app.include_router(weights_routes.router)
     app.include_router(ipc_routes.router)
     return app
@@ -149,9 +161,14 @@ def run(
     served_model_name: str | None = None,
     swap_policy: SwapPolicy = "in_flight",
     max_body_bytes: int | None = None,
+    api_key: str | None = None,
 ) -> None:
     """Load the model, bind `inference.host:port` (0 = any free port) and serve until SIGTERM/SIGINT.
-    `swap_policy`: when weight updates take effect (engine.py: in flight, or between sequences)."""
+    `swap_policy`: when weight updates take effect (engine.py: in flight, or between sequences).
+    `api_key`: the `/v1/*` routes' key (None: `inference.api_key_secret()`, else open)."""
+    if api_key is None:
+        secret = inference.api_key_secret()
+        api_key = secret.get_secret_value() if secret else None
     import torch
     import uvicorn
 
@@ -172,6 +189,7 @@ def run(
         engine,
         model_name=served_model_name or Path(model.path).name,
         admin_token=token,
+        api_key=api_key,
         weights_timeout_s=inference.weights_timeout_s,
         max_body_bytes=max_body_bytes,
         model_aliases=(model.path, str(Path(model.path).resolve())),
@@ -188,11 +206,12 @@ def run(
         tmp.write_text(f"{bound}\n")
         tmp.replace(port_file)  # atomic: a reader never sees a partial number
     logger.info(
-        "serving %s on http://%s:%d (device %s, max batch %d, max length %d, KV cache up to %.0f MiB, "
+        "serving %s on http://%s:%d (%s; device %s, max batch %d, max length %d, KV cache up to %.0f MiB, "
         "kv policy %s, swap policy %s, decode shape %s)",
         model.path,
         inference.host,
         bound,
+        "/v1/* need the API key" if api_key else "/v1/* open: no API key",
         inference.device,
         inference.max_batch,
         engine.max_len,
@@ -230,6 +249,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--admin-token", help=f"bearer token required by /weights/* (default: ${ADMIN_TOKEN_ENV}, else none)"
     )
+    parser.add_argument(
+        "--api-key",
+        help=f"bearer key required by /v1/* (default: ${API_KEY_ENV}, else none; prefer the variable: "
+        "a command line is visible to other users in ps)",
+    )
     parser.add_argument("--max-batch", type=int, default=d.max_batch, help="sequences decoded together")
     parser.add_argument("--kv-policy", default=d.kv_policy, choices=["keep", "recompute"])
     parser.add_argument(
@@ -262,6 +286,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main_serve(args: argparse.Namespace) -> int:
     token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
+    if args.api_key is not None and not args.api_key.strip():
+        raise ConfigError("stream-rl serve: --api-key is empty (leave it out for open /v1/* routes)")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     try:
         inference = InferenceConfig(
             host=args.host,
@@ -285,5 +312,6 @@ def main_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         swap_policy=args.swap_policy,
         max_body_bytes=args.max_body_bytes,
+        api_key=api_key,
     )
     return 0

@@ -76,15 +76,20 @@ def server_urls(config: RunConfig) -> list[str]:
 def inference_client_factory(config: RunConfig, engines: dict[str, str] | None = None) -> ClientFactory:
     """The HTTP client of each server's engine (`stream_rl.inference.clients.make_client`):
     `engines` (url -> engine; the configured servers are added to it, and the caller adds those
-    that join the run), else `inference.engine`."""
+    that join the run), else `inference.engine`. Each carries `inference.api_key_secret()`."""
     from stream_rl.inference.clients import make_client
 
     engines = engines if engines is not None else {}
     engines.update({s.url: str(s.engine) for s in config.inference.server_list()})
+    secret = config.inference.api_key_secret()  # read once: a bad reference fails at start
+    api_key = secret.get_secret_value() if secret else None
 
     def make(url: str) -> Any:
         return make_client(
-            engines.get(url, config.inference.engine), url, timeout_s=config.actor.request_timeout_s
+            engines.get(url, config.inference.engine),
+            url,
+            timeout_s=config.actor.request_timeout_s,
+            api_key=api_key,
         )
 
     return make

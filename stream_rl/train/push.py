@@ -284,18 +284,19 @@ PROBE_TIMEOUT_S = 1.0
 
 
 def held_versions(
-    servers: Sequence[ServerConfig], timeout_s: float = PROBE_TIMEOUT_S
+    servers: Sequence[ServerConfig], timeout_s: float = PROBE_TIMEOUT_S, api_key: str | None = None
 ) -> dict[str, int | None]:
     """url -> the weight version each server reports holding, read through its engine's own
     route (the clients' `version()`: built-in `GET /v1/models`, vLLM `GET /weight_info`, SGLang
     `GET /model_info`), all at once; None for a server that gave no usable answer within
-    `timeout_s` (down, restarting, an unknown label). Never raises."""
+    `timeout_s` (down, restarting, an unknown label). Never raises. `api_key`: the servers'
+    OpenAI-routes key (the built-in server's `/v1/models` needs it when one is set)."""
     import asyncio
 
     from stream_rl.inference.clients import make_client
 
     async def one(server: ServerConfig) -> int | None:
-        client = make_client(str(server.engine), server.url, timeout_s=timeout_s)
+        client = make_client(str(server.engine), server.url, timeout_s=timeout_s, api_key=api_key)
         try:
             return await asyncio.wait_for(client.version(), timeout_s)
         except (InferenceError, TimeoutError):

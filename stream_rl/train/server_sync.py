@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
-from stream_rl.config import RunConfig
+from stream_rl.config import RunConfig, ServerConfig
 from stream_rl.contracts import ServerMembership
 from stream_rl.errors import WeightSyncError
 from stream_rl.kafka.follower import RecordFollower
@@ -33,7 +33,14 @@ from stream_rl.kafka.stage import StopFlag
 from stream_rl.kafka.topics import TopicNames
 from stream_rl.kafka.transport import Transport
 from stream_rl.train import metrics as tm
-from stream_rl.train.push import PushOutcome, WeightPusher, connect_servers, drop_restarted, rejoin_dropped
+from stream_rl.train.push import (
+    PushOutcome,
+    WeightPusher,
+    connect_servers,
+    drop_restarted,
+    held_versions,
+    rejoin_dropped,
+)
 from stream_rl.train.roster import Roster
 
 if TYPE_CHECKING:
@@ -65,6 +72,12 @@ class ServerSync:
         self._last_connect = 0.0
         self._last_members = 0.0
         self._members: RecordFollower[ServerMembership] | None = None
+        secret = config.inference.api_key_secret()
+        self._api_key = secret.get_secret_value() if secret else None
+
+    def _probe(self, servers: Sequence[ServerConfig]) -> dict[str, int | None]:
+        """`held_versions` with the servers' OpenAI-routes key (the built-in `/v1/models` needs it)."""
+        return held_versions(servers, api_key=self._api_key)
 
     @property
     def pusher(self) -> WeightPusher | None:
@@ -109,7 +122,7 @@ class ServerSync:
             return
         self._last_connect = time.monotonic()
         if self.pushed is not None:
-            restarted = drop_restarted(pusher, self.roster.configs(), self.pushed)
+            restarted = drop_restarted(pusher, self.roster.configs(), self.pushed, self._probe)
             self.restarted += len(restarted)
             self.restarted_since_step += len(restarted)
             tm.SERVERS_RESTARTED.inc(len(restarted))
