@@ -183,8 +183,9 @@ class TrainerConfig(Model):
     """Weight broadcast bucket size (MiB)."""
     update_timeout_s: float = Field(60.0, gt=0)
     """A server that has not installed a version within this is taken out of routing."""
-    backend: Literal["torch", "deepspeed"] = "torch"
-    """Trainer backend: plain torch (CPU or one GPU) or DeepSpeed ZeRO (GPU, unverified here)."""
+    backend: Literal["torch", "deepspeed", "fsdp2"] = "torch"
+    """Trainer backend: plain torch (CPU or one GPU), DeepSpeed ZeRO (GPU, unverified here) or
+    FSDP2 `fully_shard` (data-parallel ranks under torchrun; CPU/gloo or CUDA/NCCL)."""
     zero_stage: Literal[2, 3] = 3
     """ZeRO stage of the deepspeed backend (2: optimizer state and gradients partitioned;
     3: parameters too)."""

@@ -480,10 +480,18 @@ def main(args: argparse.Namespace) -> int:
             deepspeed_backend.follow(config)
             deepspeed_backend.shutdown()
             return 0
+    if config.trainer.backend == "fsdp2":
+        from stream_rl.train import deepspeed_backend, fsdp_backend
+
+        fsdp_backend.init_distributed(config.trainer.device)
+        if deepspeed_backend.is_follower():
+            fsdp_backend.follow(config)
+            deepspeed_backend.shutdown()
+            return 0
     port = args.metrics_port if args.metrics_port is not None else config.trainer.metrics_port
     stop = start_stage(STAGE, port)
     stats = run(config, stop=stop, max_steps=args.max_steps, idle_timeout_s=args.idle_timeout)
-    if config.trainer.backend == "deepspeed":
+    if config.trainer.backend in ("deepspeed", "fsdp2"):
         from stream_rl.train import deepspeed_backend
 
         deepspeed_backend.shutdown()

@@ -1,5 +1,6 @@
 """The trainer backend of a run: `PolicyTrainer` (`stream_rl.train.step`, plain torch) or, with
-`trainer.backend: deepspeed`, `DeepSpeedTrainer` (`stream_rl.train.deepspeed_backend`, GPU only).
+`trainer.backend: deepspeed`, `DeepSpeedTrainer` (`stream_rl.train.deepspeed_backend`, GPU only),
+or with `fsdp2`, `FSDP2Trainer` (`stream_rl.train.fsdp_backend`).
 Both implement `TrainerBackend`; the trainer stage, `replay trainer` and the checkpoint rebuild
 get theirs here, so the two backends depend on `step` and never on each other.
 """
@@ -15,12 +16,17 @@ from stream_rl.train.step import PolicyTrainer, TrainerBackend, configure_determ
 def build_trainer(config: RunConfig, weights: str | Path | None = None) -> TrainerBackend:
     """Determinism settings, then the model (`weights`, default `model.path`), the reference
     model when `kl_coef > 0` (always `model.path`: the initial policy), optimizer and schedule.
-    With `trainer.backend: deepspeed` the result is a `DeepSpeedTrainer` (same interface)."""
+    With `trainer.backend: deepspeed` the result is a `DeepSpeedTrainer`, with `fsdp2` an
+    `FSDP2Trainer` (same interface)."""
     tcfg = config.trainer
     if tcfg.backend == "deepspeed":
         from stream_rl.train.deepspeed_backend import build_deepspeed_trainer
 
         return build_deepspeed_trainer(config, weights)
+    if tcfg.backend == "fsdp2":
+        from stream_rl.train.fsdp_backend import build_fsdp2_trainer
+
+        return build_fsdp2_trainer(config, weights)
     configure_determinism(tcfg.deterministic, tcfg.seed, tcfg.torch_threads)
     attn = config.model.attn_implementation
     path = weights if weights is not None else config.model.path
