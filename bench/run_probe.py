@@ -292,6 +292,8 @@ def analyze(
     roles = sorted({k for s in samples for k in s["cpu"]})
     cpu = {r: delta([(s["t"], s["cpu"].get(r, 0.0)) for s in samples], t0, end) for r in roles}
     out["cpu_cores"] = {r: round(v / span, 3) for r, v in cpu.items() if v is not None}
+    run_cpu = sum(v for v in cpu.values() if v is not None)
+    out["broker_share"] = cpu["broker"] / run_cpu if run_cpu and cpu.get("broker") is not None else None
     steps = len(updates)
     out["cpu_s_per_step"] = {r: round(v / steps, 3) for r, v in cpu.items() if v is not None}
     ours = [(s["t"], sum(s["cpu"].values())) for s in samples]

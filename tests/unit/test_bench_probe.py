@@ -187,7 +187,45 @@ def test_comparison_ratios_and_markdown(probe: ModuleType) -> None:
     goal = agg["goal"]
     assert goal["time_ok"] and goal["inflight_ok"] and goal["samples_ok"]  # 0.55, 0.69, 1.0
     assert not goal["max_lag_ok"]  # a lag of 3 > 2
-    assert pipe["occupancy"] == pytest.approx((0.8 + base["occupancy"]) / 2) and not goal["occupancy_ok"]
+    assert pipe["occupancy"] == pytest.approx((0.8 + base["occupancy"]) / 2)
+    assert goal["broker_share"] is None and not goal["broker_ok"]  # no broker among the processes
+    runs[1]["broker_share"], runs[2]["broker_share"] = 0.04, 0.08
+    assert pvc.aggregate(runs, target=0.5)["goal"]["broker_share"] == pytest.approx(0.06)
+    assert not pvc.aggregate(runs, target=0.5)["goal"]["broker_ok"]  # the median 0.06 > 0.05
     table = pvc.markdown(agg)
     assert "| pipeline | 2 | 11.0 (10.0–12.0) |" in table and "**0.55×**" in table and "**0.69×**" in table
     assert "pipeline-recompute" not in table.split("\n\n")[0]  # only the modes that ran
+
+
+def test_stop_at_target_waits_for_the_centred_mean_to_be_final(tmp_path: Path) -> None:
+    """`--stop-at-target` stops a run only once the centred mean at the target's version has its
+    whole window published; a half-written last line of the live timeline is skipped."""
+    sys.path.insert(0, str(PROBE_PATH.parent))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "pvc", PROBE_PATH.parent / "pipeline_vs_conventional.py"
+        )
+        assert spec is not None and spec.loader is not None
+        pvc = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(pvc)
+    finally:
+        sys.path.remove(str(PROBE_PATH.parent))
+    path = tmp_path / "timeline.jsonl"
+    rewards = [0.0, 0.1, 0.2, 0.4, 0.5, 0.6, 0.9]  # version 0 (init) has no reward of its own
+
+    def write(n: int, tail: str = "") -> None:
+        lines = [json.dumps({"kind": "start"})]
+        lines += [
+            json.dumps({"kind": "version", "version": v, "created_ms": 1000 * v, "reward_mean": rewards[v]})
+            for v in range(n)
+        ]
+        path.write_text("\n".join(lines) + "\n" + tail)
+
+    write(5)  # versions 1-4 (0.1, 0.2, 0.4, 0.5): version 4's centred mean waits for version 5
+    assert pvc.target_reached(tmp_path, 0.5, 3) is None
+    write(6, tail='{"kind": "version", "vers')  # version 5 (0.6) in, the next line half written
+    assert pvc.target_reached(tmp_path, 0.5, 3) == 4  # (0.4 + 0.5 + 0.6) / 3, now final
+    assert pvc.target_reached(tmp_path, 0.55, 3) is None  # version 5's mean is not final yet
+    write(7)  # version 6 (0.9): version 5's (0.5 + 0.6 + 0.9) / 3 is final
+    assert pvc.target_reached(tmp_path, 0.55, 3) == 5
+    assert pvc.target_reached(tmp_path, 0.95, 3) is None
