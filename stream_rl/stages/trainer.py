@@ -473,28 +473,28 @@ def main(args: argparse.Namespace) -> int:
             "one trainer per run: --instance must be 0 (ranks come from the distributed launcher)"
         )
     if config.trainer.backend == "deepspeed":
-        from stream_rl.train import deepspeed_backend
+        from stream_rl.train import deepspeed_backend, ranks
 
         deepspeed_backend.init_distributed(config.trainer.device)
-        if deepspeed_backend.is_follower():
+        if ranks.is_follower():
             deepspeed_backend.follow(config)
-            deepspeed_backend.shutdown()
+            ranks.shutdown()
             return 0
     if config.trainer.backend == "fsdp2":
-        from stream_rl.train import deepspeed_backend, fsdp_backend
+        from stream_rl.train import fsdp_backend, ranks
 
         fsdp_backend.init_distributed(config.trainer.device)
-        if deepspeed_backend.is_follower():
+        if ranks.is_follower():
             fsdp_backend.follow(config)
-            deepspeed_backend.shutdown()
+            ranks.shutdown()
             return 0
     port = args.metrics_port if args.metrics_port is not None else config.trainer.metrics_port
     stop = start_stage(STAGE, port)
     stats = run(config, stop=stop, max_steps=args.max_steps, idle_timeout_s=args.idle_timeout)
     if config.trainer.backend in ("deepspeed", "fsdp2"):
-        from stream_rl.train import deepspeed_backend
+        from stream_rl.train import ranks
 
-        deepspeed_backend.shutdown()
+        ranks.shutdown()
     print(
         f"trainer stopped ({stats.stopped_by}): version {stats.version}, {stats.steps} steps, "
         f"{stats.micro_batches} micro-batches, {stats.dlq} to the DLQ, checksum {stats.checksum[:16]}"

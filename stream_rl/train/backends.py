@@ -1,8 +1,9 @@
 """The trainer backend of a run: `PolicyTrainer` (`stream_rl.train.step`, plain torch) or, with
 `trainer.backend: deepspeed`, `DeepSpeedTrainer` (`stream_rl.train.deepspeed_backend`, GPU only),
 or with `fsdp2`, `FSDP2Trainer` (`stream_rl.train.fsdp_backend`).
-Both implement `TrainerBackend`; the trainer stage, `replay trainer` and the checkpoint rebuild
-get theirs here, so the two backends depend on `step` and never on each other.
+All implement `TrainerBackend`; the trainer stage, `replay trainer` and the checkpoint rebuild
+get theirs here, so the backends depend on `step` (the distributed ones also on
+`stream_rl.train.ranks`, their shared rank protocol) and never on each other.
 """
 
 from __future__ import annotations

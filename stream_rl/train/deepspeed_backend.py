@@ -5,7 +5,7 @@ MASTER_PORT, LOCAL_RANK set), each running `stream-rl trainer --config ...`. Ran
 stage (Kafka, weight push, publishing, checkpoints' bookkeeping) with a `DeepSpeedTrainer`;
 every other rank runs `follow()`, executing the same collective operations in the same order.
 Rank 0 announces each operation on a gloo control group (NCCL or gloo carries ZeRO's own
-traffic) as a command, `[op, payload bytes]`:
+traffic) as a command, `[op, payload bytes]` (`stream_rl.train.ranks`, shared with fsdp2):
 - STEP: the step's micro-batches, Avro single-object encoded (as on Kafka; nothing pickled), and
   the number of trained sequences. Micro-batch i is trained by rank i mod N; ranks with fewer
   micro-batches run zero-weight passes, so every rank runs the same number of forward/backward
@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -44,37 +42,32 @@ from torch import nn
 from stream_rl.config import RunConfig, TrainerConfig
 from stream_rl.contracts import TrainingBatch, TrainingSample
 from stream_rl.errors import ConfigError
-from stream_rl.kafka.serde import default_serde
 from stream_rl.modeling import enable_gradient_checkpointing, untied_head_name
 from stream_rl.rl.schedule import make_lr_lambda
 from stream_rl.rl.stats import TokenStats
+from stream_rl.train.ranks import (
+    OP_LOAD,
+    OP_SAVE,
+    OP_STEP,
+    OP_STOP,
+    OP_WEIGHTS,
+    Control,
+    decode_step,
+    encode_step,
+    reduce_stats,
+)
 from stream_rl.train.rows import pack_samples
 from stream_rl.train.step import (
     MicroResult,
+    Scorer,
     StepOutcome,
     check_training_setup,
-    completion_logits,
     configure_determinism,
     load_model,
     micro_loss,
 )
 
 log = logging.getLogger(__name__)
-
-OP_STEP, OP_WEIGHTS, OP_SAVE, OP_LOAD, OP_STOP = 1, 2, 3, 4, 5
-
-
-class Scorer(nn.Module):
-    """The causal LM as DeepSpeed's top-level module: forward gives the completion logits, so
-    ZeRO-3's parameter hooks see one forward per pass."""
-
-    def __init__(self, lm: nn.Module) -> None:
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, packed: Any, device: torch.device) -> torch.Tensor:
-        return completion_logits(self.lm, packed, device)
-
 
 DS_BUCKET = 500_000_000
 """DeepSpeed's default reduce and all-gather bucket, in elements."""
@@ -102,63 +95,6 @@ def ds_config(tcfg: TrainerConfig, dtype: str, zero_stage: int, numel: int) -> d
     }
 
 
-class _Control:
-    """Rank 0's commands to the other ranks over a gloo group."""
-
-    def __init__(self) -> None:
-        self.group = dist.new_group(backend="gloo")
-        self.rank = dist.get_rank()
-
-    def send(self, op: int, payload: bytes = b"") -> None:
-        header = torch.tensor([op, len(payload)], dtype=torch.int64)
-        dist.broadcast(header, 0, group=self.group)
-        if payload:
-            dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), 0, group=self.group)
-
-    def receive(self) -> tuple[int, bytes]:
-        header = torch.zeros(2, dtype=torch.int64)
-        dist.broadcast(header, 0, group=self.group)
-        op, n = int(header[0]), int(header[1])
-        if not n:
-            return op, b""
-        buf = torch.empty(n, dtype=torch.uint8)
-        dist.broadcast(buf, 0, group=self.group)
-        return op, buf.numpy().tobytes()
-
-
-def _encode_step(batches: list[TrainingBatch], sequences: int) -> bytes:
-    serde = default_serde()
-    parts = [struct.pack("<qq", sequences, len(batches))]
-    for b in batches:
-        raw = serde.encode(b)
-        parts.append(struct.pack("<q", len(raw)) + raw)
-    return b"".join(parts)
-
-
-def _decode_step(payload: bytes) -> tuple[list[TrainingBatch], int]:
-    serde = default_serde()
-    sequences, count = struct.unpack_from("<qq", payload)
-    pos, out = 16, []
-    for _ in range(count):
-        (n,) = struct.unpack_from("<q", payload, pos)
-        out.append(serde.decode(payload[pos + 8 : pos + 8 + n], TrainingBatch))
-        pos += 8 + n
-    return out, sequences
-
-
-def _reduce_stats(stats: TokenStats, group: Any) -> TokenStats:
-    names = [f.name for f in fields(TokenStats) if f.name != "ratio_max"]
-    summed = torch.tensor([float(getattr(stats, n)) for n in names], dtype=torch.float64)
-    peak = torch.tensor([stats.ratio_max], dtype=torch.float64)
-    dist.all_reduce(summed, group=group)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    out = TokenStats()
-    for n, v in zip(names, summed.tolist(), strict=True):
-        setattr(out, n, type(getattr(stats, n))(v))
-    out.ratio_max = float(peak.item())
-    return out
-
-
 class DeepSpeedTrainer:
     """`PolicyTrainer`'s interface on a DeepSpeed engine; rank 0 drives, the others `follow()`."""
 
@@ -174,7 +110,7 @@ class DeepSpeedTrainer:
         self.temperature = temperature
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
-        self.control = _Control()
+        self.control = Control()
         self._vocab = int(lm.get_input_embeddings().num_embeddings)  # type: ignore[operator]
         optimizer = torch.optim.AdamW(
             lm.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
@@ -213,7 +149,7 @@ class DeepSpeedTrainer:
 
     def optimizer_step(self, num_sequences: int) -> StepOutcome:
         batches, self._pending = self._pending, []
-        self.control.send(OP_STEP, _encode_step(batches, num_sequences))
+        self.control.send(OP_STEP, encode_step(batches, num_sequences))
         return self._step(batches, num_sequences)
 
     @contextmanager
@@ -284,7 +220,7 @@ class DeepSpeedTrainer:
             grad_norm=float(norm) if norm is not None else 0.0,
             lr=lr,
             loss_sum=float(total.item()),
-            stats=_reduce_stats(stats, self.control.group),
+            stats=reduce_stats(stats, self.control.group),
         )
 
     def _save(self, directory: Path) -> None:
@@ -302,7 +238,7 @@ class DeepSpeedTrainer:
         while True:
             op, payload = self.control.receive()
             if op == OP_STEP:
-                self._step(*_decode_step(payload))
+                self._step(*decode_step(payload))
             elif op == OP_WEIGHTS:
                 with self._gathered():
                     pass
@@ -342,16 +278,6 @@ def init_distributed(device: str) -> None:
         deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
 
 
-def shutdown() -> None:
-    """Destroy this rank's process groups at a normal end (rank 0 after its run, the others after
-    STOP). A gloo group left to the interpreter's exit can abort the process there (SIGABRT,
-    `terminate called without an active exception`: its worker threads release tensors after the
-    interpreter is gone, pytorch/pytorch#190489), which torchrun reports as the launch failing
-    (seen once in CI: rank 1 of the ZeRO-3 test, after its last version)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def build_deepspeed_trainer(config: RunConfig, weights: str | Path | None = None) -> DeepSpeedTrainer:
     """The model (`weights`, default `model.path`) wrapped in a ZeRO engine (`trainer.zero_stage`);
     every rank calls this, in the same order."""
@@ -371,11 +297,6 @@ def build_deepspeed_trainer(config: RunConfig, weights: str | Path | None = None
         dtype=config.model.dtype,
         zero_stage=tcfg.zero_stage,
     )
-
-
-def is_follower() -> bool:
-    """True on ranks > 0 of a distributed launch (after `init_distributed`)."""
-    return dist.is_initialized() and dist.get_rank() != 0
 
 
 def follow(config: RunConfig) -> None:

@@ -1,10 +1,10 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`) behind the trainer stage (`trainer.backend: fsdp2`).
 
-Process model and commands as in `stream_rl.train.deepspeed_backend` (its `_Control`, step
-encoding and statistics reduction are reused): N ranks launched with `torchrun` (RANK,
-WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), each running `stream-rl trainer --config ...`;
-rank 0 runs the stage with an `FSDP2Trainer`, the others `follow()` its commands on a gloo
-control group:
+Process model and commands as in `stream_rl.train.deepspeed_backend`, both on
+`stream_rl.train.ranks` (the gloo control channel, step encoding, statistics reduction): N ranks
+launched with `torchrun` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), each running
+`stream-rl trainer --config ...`; rank 0 runs the stage with an `FSDP2Trainer`, the others
+`follow()` its commands on the control group:
 - STEP: micro-batch i is trained by rank i mod N, ranks with fewer run zero-weight passes (every
   pass all-gathers parameters in forward and reduce-scatters gradients in backward, so all ranks
   run the same number). Gradients are averaged over ranks by the reduce-scatter, so each loss is
@@ -44,21 +44,21 @@ from stream_rl.errors import ConfigError
 from stream_rl.modeling import enable_gradient_checkpointing, untied_head_name
 from stream_rl.rl.schedule import make_lr_lambda
 from stream_rl.rl.stats import TokenStats
-from stream_rl.train.deepspeed_backend import (
+from stream_rl.train.ranks import (
     OP_LOAD,
     OP_SAVE,
     OP_STEP,
     OP_STOP,
     OP_WEIGHTS,
-    Scorer,
-    _Control,
-    _decode_step,
-    _encode_step,
-    _reduce_stats,
+    Control,
+    decode_step,
+    encode_step,
+    reduce_stats,
 )
 from stream_rl.train.rows import pack_samples
 from stream_rl.train.step import (
     MicroResult,
+    Scorer,
     StepOutcome,
     check_training_setup,
     configure_determinism,
@@ -93,7 +93,7 @@ class FSDP2Trainer:
         self.temperature = temperature
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
-        self.control = _Control()
+        self.control = Control()
         self._vocab = int(lm.get_input_embeddings().num_embeddings)  # type: ignore[operator]
         self._dtype = getattr(torch, dtype)
         self._fp32_head = untied_head_name(lm) if dtype == "bfloat16" else None
@@ -132,7 +132,7 @@ class FSDP2Trainer:
 
     def optimizer_step(self, num_sequences: int) -> StepOutcome:
         batches, self._pending = self._pending, []
-        self.control.send(OP_STEP, _encode_step(batches, num_sequences))
+        self.control.send(OP_STEP, encode_step(batches, num_sequences))
         return self._step(batches, num_sequences)
 
     @contextmanager
@@ -199,7 +199,7 @@ class FSDP2Trainer:
             grad_norm=norm,
             lr=lr,
             loss_sum=float(total.item()),
-            stats=_reduce_stats(stats, self.control.group),
+            stats=reduce_stats(stats, self.control.group),
             skipped=skipped,
         )
 
@@ -248,7 +248,7 @@ class FSDP2Trainer:
         while True:
             op, payload = self.control.receive()
             if op == OP_STEP:
-                self._step(*_decode_step(payload))
+                self._step(*decode_step(payload))
             elif op == OP_WEIGHTS:
                 self._gather()
             elif op == OP_SAVE:

@@ -152,6 +152,19 @@ def completion_logits(model: Any, packed: PackedBatch, device: torch.device) -> 
     return logits
 
 
+class Scorer(nn.Module):
+    """The causal LM as a sharded backend's top-level module (DeepSpeed's engine, FSDP2's root
+    unit): forward gives the completion logits, so the parameter hooks (ZeRO-3's gathers, FSDP2's
+    all-gathers) see one forward per pass."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, packed: Any, device: torch.device) -> torch.Tensor:
+        return completion_logits(self.lm, packed, device)
+
+
 def micro_loss(
     cfg: TrainerConfig,
     temperature: float,

@@ -145,3 +145,12 @@ def test_no_arrow_back_up_from_a_subpackage_to_the_top_level() -> None:
         if t in top and t not in FOUNDATIONS
     )
     assert back_up == []
+
+
+def test_no_trainer_backend_imports_another() -> None:
+    """`stream_rl.train.backends`' rule: each backend depends on `step` (the distributed ones also
+    on `ranks`), never on another backend; what two share lives in a module of its own."""
+    backends = {"stream_rl.train.deepspeed_backend", "stream_rl.train.fsdp_backend"}
+    graph = import_graph()
+    assert sorted(f"{b} -> {t}" for b in backends for t in graph[b] & backends) == []
+    assert all("stream_rl.train.ranks" in graph[b] for b in backends)
