@@ -23,7 +23,7 @@ With `api_key`, every call carries `Authorization: Bearer <api_key>` (the server
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -44,6 +44,38 @@ _QUOTE = 200  # bytes of an unexpected body quoted in errors
 def quote(body: bytes | str) -> str:
     text = body.decode(errors="replace") if isinstance(body, bytes) else body
     return repr(text[:_QUOTE]) + ("..." if len(text) > _QUOTE else "")
+
+
+class CompletionClient(Protocol):
+    """The contract of one inference server's client, as the actor holds it
+    (`stream_rl.stages.routing.Server.client`, `ClientFactory`) and samples with it
+    (`stream_rl.stages.rollouts`): every engine's client below (`InferenceClient`'s subclasses,
+    made by `stream_rl.inference.clients.make_client`) implements it, and so does a unit test's
+    fake. Errors as the module docstring says."""
+
+    async def complete_many(
+        self, prompt: Prompt, sampling: SamplingConfig, *, n: int = 1, seed: int | None = None
+    ) -> list[Completion]:
+        """n samples of one prompt in one request."""
+        ...
+
+    async def complete(
+        self, prompt: Prompt, sampling: SamplingConfig, *, seed: int | None = None
+    ) -> Completion:
+        """One sample of one prompt (token ids or chat messages)."""
+        ...
+
+    async def health(self) -> None:
+        """Returns if the server is up; InferenceError otherwise."""
+        ...
+
+    async def version(self) -> int | None:
+        """The weight version the server holds now (None: unknown)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release the connections (the pool calls it when a server leaves and at the end)."""
+        ...
 
 
 def is_chat(prompt: Prompt) -> bool:

@@ -16,13 +16,16 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stream_rl.config import SamplingConfig
 from stream_rl.contracts import ChatMessage, Problem, Rollout, now_ms
 from stream_rl.errors import InferenceError, TaskError
 from stream_rl.inference.completion import Completion
 from stream_rl.tasks.base import Task
+
+if TYPE_CHECKING:
+    from stream_rl.inference.client import CompletionClient
 
 _TURN_STRIDE = 7919
 
@@ -83,7 +86,13 @@ class Sampler:
         self.actor_id = actor_id
 
     async def sample_conversation(
-        self, client: Any, server_id: str, problem: Problem, index: int, group_size: int, seed: int | None
+        self,
+        client: CompletionClient,
+        server_id: str,
+        problem: Problem,
+        index: int,
+        group_size: int,
+        seed: int | None,
     ) -> Rollout:
         """Sample `index` of a multi-turn problem: the task drives the conversation."""
         if self.tokenizer is None:
@@ -108,7 +117,7 @@ class Sampler:
         return rollout
 
     async def sample_group(
-        self, client: Any, server_id: str, problem: Problem, group_size: int, seed: int | None
+        self, client: CompletionClient, server_id: str, problem: Problem, group_size: int, seed: int | None
     ) -> list[Rollout]:
         """All `group_size` samples of a single-turn problem in ONE request (`n = group_size`):
         one HTTP round trip, one chat-template render and one prefill instead of `group_size`."""
@@ -163,7 +172,7 @@ class ChatTokenizer:
 class TurnClient:
     """A `ModelClient` bound to ONE server's client for the whole multi-turn rollout."""
 
-    def __init__(self, client: Any, tokenizer: Any, seed: int | None) -> None:
+    def __init__(self, client: CompletionClient, tokenizer: Any, seed: int | None) -> None:
         """`tokenizer`: `render(messages, add_generation_prompt=True)` and `decode(ids)`, e.g. a
         `ChatTokenizer`."""
         self._client = client
@@ -174,8 +183,7 @@ class TurnClient:
     async def complete(self, prompt_token_ids: list[int], sampling: SamplingConfig) -> Completion:
         seed = None if self._seed is None else (self._seed + _TURN_STRIDE * self._turn) & 0x7FFFFFFF
         self._turn += 1
-        completion: Completion = await self._client.complete(prompt_token_ids, sampling, seed=seed)
-        return completion
+        return await self._client.complete(prompt_token_ids, sampling, seed=seed)
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         return self._tokenizer.render(messages, add_generation_prompt=add_generation_prompt)

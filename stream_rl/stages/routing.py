@@ -50,19 +50,22 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from stream_rl.config import RunConfig
 from stream_rl.contracts import ServerMembership
 from stream_rl.errors import BadRequestError, ConfigError, InferenceError, ServerBusy, StreamRLError
+
+if TYPE_CHECKING:
+    from stream_rl.inference.client import CompletionClient
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-ClientFactory = Callable[[str], Any]
-"""url -> client of that server (`complete_many`, `complete`, `health`, `version`, `aclose`)."""
+ClientFactory = Callable[[str], "CompletionClient"]
+"""url -> client of that server (`stream_rl.inference.client.CompletionClient`)."""
 
 
 def server_urls(config: RunConfig) -> list[str]:
@@ -84,7 +87,7 @@ def inference_client_factory(config: RunConfig, engines: dict[str, str] | None =
     secret = config.inference.api_key_secret()  # read once: a bad reference fails at start
     api_key = secret.get_secret_value() if secret else None
 
-    def make(url: str) -> Any:
+    def make(url: str) -> CompletionClient:
         return make_client(
             engines.get(url, config.inference.engine),
             url,
@@ -107,7 +110,7 @@ class StaleServerError(InferenceError):
 @dataclass(eq=False)
 class Server:
     url: str
-    client: Any
+    client: CompletionClient
     in_flight: int = 0
     failures: int = 0
     """Consecutive failed calls."""
@@ -140,7 +143,7 @@ class ServerPool:
 
     def __init__(
         self,
-        clients: dict[str, Any],
+        clients: dict[str, CompletionClient],
         *,
         cap: int,
         max_retries: int,
@@ -244,21 +247,26 @@ class ServerPool:
     def find(self, url: str) -> Server | None:
         return next((s for s in self.servers if s.url == url), None)
 
-    def add(self, url: str, client: Any) -> bool:
+    def add(self, url: str, client: CompletionClient) -> bool:
         """A server that joined the run (module docstring): routed to once it holds the newest
         version. False (and `client` unused) if the pool has it already; a draining one is taken
         back (and checked for the newest version first)."""
-        known = self.find(url)
-        if known is not None:
-            if not known.draining:
-                return False
-            known.draining = False
-            self._mark_stale(known, "it joined the run again")
+        if self.find(url) is not None:
+            self.take_back(url)
             return False
         server = Server(url, client)
         self.servers.append(server)
         self._mark_stale(server, "it joined the run", logging.INFO)
         return True
+
+    def take_back(self, url: str) -> None:
+        """A draining server that joined the run again: routed to once it holds the newest version
+        (checked first). Nothing if the pool does not have it or it is not draining."""
+        known = self.find(url)
+        if known is None or not known.draining:
+            return
+        known.draining = False
+        self._mark_stale(known, "it joined the run again")
 
     def drain(self, url: str) -> bool:
         """Route no new call to `url`; it is forgotten once its calls in flight ended. False if
@@ -275,9 +283,7 @@ class ServerPool:
         self._forget_if_drained(server)
         return True
 
-    def apply_members(
-        self, records: Iterable[ServerMembership], make_client: Callable[[str], Any]
-    ) -> list[str]:
+    def apply_members(self, records: Iterable[ServerMembership], make_client: ClientFactory) -> list[str]:
         """The `servers` records read since the last call (the latest per url counts): joined ones
         are added (`make_client(url)` for a new one; a draining one is taken back), the others
         drained. Returns the urls that began draining."""
@@ -289,7 +295,7 @@ class ServerPool:
                 if self.drain(m.url):
                     drained.append(m.url)
             elif self.find(m.url) is not None:
-                self.add(m.url, None)  # back from draining, if it was
+                self.take_back(m.url)  # back from draining, if it was
             else:
                 self.add(m.url, make_client(m.url))
                 log.info(

@@ -12,13 +12,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from stream_rl.config import RunConfig, ServerConfig
 from stream_rl.errors import InferenceError, WeightSyncError
 from stream_rl.kafka.stage import StopFlag
+
+if TYPE_CHECKING:
+    from stream_rl.weights.client import ServerEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,12 @@ class PushOutcome(Protocol):
 
 
 class WeightPusher(Protocol):
+    """What the trainer calls on its weight sender (`ServerSync`, `Roster`, the functions below).
+    Implemented by `stream_rl.weights.WeightSender`, `IpcWeightSender` and `AutoSender` (checked
+    through `make_builtin_sender`'s return in `_engine_sender`), the engine adapters
+    `VLLMWeightSender` and `SGLangWeightSender` (checked by `_engine_sender`'s returns) and
+    `MultiSender` (checked by `make_sender`'s return)."""
+
     @property
     def live_servers(self) -> list[str]: ...
 
@@ -49,7 +58,7 @@ class WeightPusher(Protocol):
         peer may be gone). A later `connect()` joins it afresh; the next push sends it the version."""
         ...
 
-    def add(self, server: Any) -> None:
+    def add(self, server: ServerEndpoint) -> None:
         """One more server (a `ServerEndpoint` that joined the run), joined by the next `connect()`."""
         ...
 
@@ -83,7 +92,7 @@ def make_sender(config: RunConfig, servers: Sequence[ServerConfig] | None = None
     return next(iter(senders.values())) if len(senders) == 1 else MultiSender(senders)
 
 
-def _endpoint(config: RunConfig, server: ServerConfig) -> Any:
+def _endpoint(config: RunConfig, server: ServerConfig) -> ServerEndpoint:
     from stream_rl.weights import ServerEndpoint
 
     token = config.inference.admin_token
@@ -116,7 +125,7 @@ def add_server(config: RunConfig, pusher: WeightPusher | None, server: ServerCon
     return multi
 
 
-def _engine_sender(config: RunConfig, engine: str, endpoints: list[Any]) -> WeightPusher:
+def _engine_sender(config: RunConfig, engine: str, endpoints: list[ServerEndpoint]) -> WeightPusher:
     tcfg = config.trainer
     addr, port, timeout_s = tcfg.sync_master_addr, tcfg.sync_master_port, tcfg.update_timeout_s
     if engine == "vllm":
@@ -168,7 +177,7 @@ class MultiSender:
         else:
             self.by_engine[engine] = _engine_sender(config, engine, [_endpoint(config, server)])
 
-    def add(self, server: Any) -> None:
+    def add(self, server: ServerEndpoint) -> None:
         raise WeightSyncError("MultiSender.add: use add_server, which names the server's engine")
 
     def forget(self, url: str) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import httpx
 import torch
@@ -23,6 +23,9 @@ from stream_rl.errors import WeightSyncError
 from stream_rl.weights.client import ServerClient, ServerEndpoint
 from stream_rl.weights.group import gpu_uuid
 from stream_rl.weights.sender import PushReport, WeightSender
+
+if TYPE_CHECKING:
+    from stream_rl.weights.ipc_sender import IpcWeightSender
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +40,9 @@ def make_builtin_sender(
     master_addr: str,
     master_port: int,
     timeout_s: float,
-) -> Any:
-    """The sender of `transport` for built-in servers (see the module doc)."""
+) -> WeightSender | IpcWeightSender | AutoSender:
+    """The sender of `transport` for built-in servers (see the module doc); each is a
+    `stream_rl.train.push.WeightPusher` (checked where the trainer assigns this)."""
     if transport not in TRANSPORTS:
         raise WeightSyncError(f"weight transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
     if transport in ("nccl", "cuda_ipc") and trainer_device != "cuda":
@@ -66,13 +70,13 @@ class AutoSender:
         self.device_uuid = gpu_uuid(torch.cuda.current_device())
         self._unresolved = list(servers)
         self._http = httpx.Client()
-        self._ipc: Any = None
+        self._ipc: IpcWeightSender | None = None
         self._groups: list[WeightSender] = []  # one per batch of servers resolved together
         self.transport: dict[str, str] = {}
         """Server URL -> the transport chosen for it."""
 
     @property
-    def _senders(self) -> list[Any]:
+    def _senders(self) -> list[WeightSender | IpcWeightSender]:
         return ([self._ipc] if self._ipc is not None else []) + list(self._groups)
 
     @property
