@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 UV := $(shell command -v uv 2>/dev/null || echo $(CACHE)/tools/bin/uv)
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml uv.lock Makefile | sha1sum | cut -c1-12)
 
-.PHONY: setup vllm gpu-extra gpu-extra-check lock test unit lint typecheck pytest docker-tools demo model clean-venv
+.PHONY: setup vllm gpu-extra gpu-extra-check lock test unit lint typecheck pytest docker-tools demo model clean-venv bench-headline
 
 # compileall: the project's own modules byte-compiled once (it writes them where
 # PYTHONDONTWRITEBYTECODE is set too), not by each of the ~130 stage processes of a `make test`
@@ -124,6 +124,28 @@ $(DEMO_MODEL)/config.json: | setup
 
 demo: setup $(DEMO_MODEL)/config.json
 	$(VENV)/bin/stream-rl run $(DEMO_CONFIG) $(if $(RUN),--set run=$(RUN)) $(DEMO_ARGS)
+
+# PipelineRL's headline on this machine (README "Performance"): conventional RL against pipeline
+# RL with and without in-flight updates, on configs/headline-cpu.yaml with the fixed decode shape
+# (GPU economics emulated), 4 modes x 3 repeats, each run stopped at the target; then once more
+# with the default (CPU) decode shape, conventional and pipeline, for contrast. ~1 hour on a quiet
+# machine.
+HEADLINE_MODEL ?= models/tiny-headline
+HEADLINE_ARGS ?= --repeats 3
+HEADLINE_BENCH = $(PY) bench/pipeline_vs_conventional.py --config configs/headline-cpu.yaml \
+	--modes conventional,pipeline,pipeline-recompute,pipeline-no-inflight --pin-trainer-cpu 1 \
+	--target 0.5 --stop-at-target --max-steps 400 --max-wall 420
+
+# The headline's model: the tiny preset warm-started on count-downs of median 12 terms (built once,
+# ~3.5 min; configs/headline-cpu.yaml says why these settings).
+$(HEADLINE_MODEL)/config.json: | setup
+	$(VENV)/bin/stream-rl make-model --preset tiny --warm-start progression --label-smoothing 0.035 \
+		--task-params '{median_terms: 12, max_terms: 100}' --out $(HEADLINE_MODEL) --overwrite
+
+bench-headline: setup $(HEADLINE_MODEL)/config.json
+	$(HEADLINE_BENCH) $(HEADLINE_ARGS) --name headline-cpu
+	$(HEADLINE_BENCH) --repeats 1 --modes conventional,pipeline --set inference.decode_shape=running \
+		--name headline-cpu-running
 
 clean-venv:
 	rm -rf $(DEV_HOME) $(VENV) $(VLLM_VENV)   # the vLLM and gpu-extra environments stay in $(CACHE)/venvs

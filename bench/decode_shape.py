@@ -40,9 +40,11 @@ def occupancies(max_batch: int) -> list[int]:
     return [*points, max_batch]
 
 
-def step_ms(engine: Engine, occupancy: int, steps: int) -> float:
-    """Median decode-step time (ms) with `occupancy` sequences running."""
-    params = SamplingParams(temperature=1.0, max_tokens=steps + 4, seed=0, ignore_eos=True)
+def step_ms(engine: Engine, occupancy: int, steps: int, seeded: bool = True) -> float:
+    """Median decode-step time (ms) with `occupancy` sequences running (each request seeded, or
+    all drawing from the engine's shared generator: `actor.seeded_sampling: false`)."""
+    seed = 0 if seeded else None
+    params = SamplingParams(temperature=1.0, max_tokens=steps + 4, seed=seed, ignore_eos=True)
     futures = [engine.submit(PROMPT, params) for _ in range(occupancy)]
     times = []
     with torch.inference_mode():
@@ -76,7 +78,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.set_xlabel(f"running sequences (of max_batch {results['max_batch']})")
     ax.set_ylabel("decode step (ms), median of rounds, min-max")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"built-in engine, CPU, preset {results['preset']}: step time against occupancy")
+    draws = "seeded requests" if results.get("seeded", True) else "unseeded requests"
+    ax.set_title(f"built-in engine, CPU, preset {results['preset']} ({draws}):\nstep time against occupancy")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -91,6 +94,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a server's default: 1)")
+    parser.add_argument(
+        "--unseeded",
+        action="store_true",
+        help="requests without a seed (the engine's shared generator: one draw per step for the batch)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -105,7 +113,7 @@ def main() -> None:
         order = points if round_ % 2 == 0 else points[::-1]
         for k in order:
             for shape in DECODE_SHAPES if (round_ + k) % 2 == 0 else DECODE_SHAPES[::-1]:
-                samples[shape][k].append(step_ms(engines[shape], k, args.steps))
+                samples[shape][k].append(step_ms(engines[shape], k, args.steps, seeded=not args.unseeded))
         print(f"round {round_ + 1}/{args.repeats} done", flush=True)
     results: dict[str, Any] = {
         "preset": args.preset,
@@ -113,6 +121,7 @@ def main() -> None:
         "steps": args.steps,
         "repeats": args.repeats,
         "threads": args.threads,
+        "seeded": not args.unseeded,
         "shapes": {
             shape: [
                 {
