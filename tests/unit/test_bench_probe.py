@@ -155,18 +155,24 @@ def test_probe_attributes_cpu_to_the_launchers_children(probe: ModuleType, tmp_p
     assert p.samples[-1]["machine_s"] > p.samples[0]["machine_s"]
 
 
-def test_comparison_ratios_and_markdown(probe: ModuleType) -> None:
-    """`bench/pipeline_vs_conventional.py` turns analysed runs into medians, ratios and a table."""
+@pytest.fixture(scope="module")
+def pvc() -> ModuleType:
+    """bench/pipeline_vs_conventional.py (it imports its neighbours: bench/ on the path)."""
     sys.path.insert(0, str(PROBE_PATH.parent))
     try:
         spec = importlib.util.spec_from_file_location(
             "pvc", PROBE_PATH.parent / "pipeline_vs_conventional.py"
         )
         assert spec is not None and spec.loader is not None
-        pvc = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(pvc)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(PROBE_PATH.parent))
+    return module
+
+
+def test_comparison_ratios_and_markdown(probe: ModuleType, pvc: ModuleType) -> None:
+    """`bench/pipeline_vs_conventional.py` turns analysed runs into medians, ratios and a table."""
     timeline, samples = synthetic_run()
     base = probe.analyze(timeline, samples, target=0.5, window=3)
     runs = [
@@ -197,19 +203,9 @@ def test_comparison_ratios_and_markdown(probe: ModuleType) -> None:
     assert "pipeline-recompute" not in table.split("\n\n")[0]  # only the modes that ran
 
 
-def test_stop_at_target_waits_for_the_centred_mean_to_be_final(tmp_path: Path) -> None:
+def test_stop_at_target_waits_for_the_centred_mean_to_be_final(pvc: ModuleType, tmp_path: Path) -> None:
     """`--stop-at-target` stops a run only once the centred mean at the target's version has its
     whole window published; a half-written last line of the live timeline is skipped."""
-    sys.path.insert(0, str(PROBE_PATH.parent))
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "pvc", PROBE_PATH.parent / "pipeline_vs_conventional.py"
-        )
-        assert spec is not None and spec.loader is not None
-        pvc = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(pvc)
-    finally:
-        sys.path.remove(str(PROBE_PATH.parent))
     path = tmp_path / "timeline.jsonl"
     rewards = [0.0, 0.1, 0.2, 0.4, 0.5, 0.6, 0.9]  # version 0 (init) has no reward of its own
 
