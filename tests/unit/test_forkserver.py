@@ -147,6 +147,7 @@ def test_supervision_starts_a_child_as_a_program_when_the_server_cannot_fork_it(
     sup = Supervision()
     sup.config = load_config(REPO / "configs" / "demo-cpu.yaml", [])
     sup.admin_token = None
+    sup.api_key = None
     sup._launcher_port = None
     sup.server_startup_s = 30.0
     sup._fork_server = server
