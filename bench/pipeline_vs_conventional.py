@@ -59,7 +59,8 @@ from pathlib import Path
 from typing import Any
 
 from pvc_plots import plot, plot_occupancy
-from run_probe import RunProbe, analyze, centered_mean, fmt, machine_busy_s, versions_of
+from run_probe import RunProbe, analyze, fmt, machine_busy_s
+from run_watch import completion_lengths, target_reached
 
 from stream_rl.config import load_config
 from stream_rl.kafka.broker import LocalBroker, free_port
@@ -170,56 +171,6 @@ def run_one(args: argparse.Namespace, mode: str, repeat: int, stamp: str, epochs
     result.update(analyze_run(run_dir, args.target, args.window))
     print(f"  rc {rc}, {one_line(result)}", flush=True)
     return result
-
-
-def completion_lengths(run_dir: Path, bootstrap: str) -> dict[str, Any]:
-    """Sampled completion lengths (tokens) of every scored rollout of the run, read from `scored`
-    (`stream-rl export rollouts`): mean, p10/p50/p90/p99, p99 / p50, and the share cut at
-    max_tokens. Empty if the export failed (its error is printed)."""
-    out = run_dir / "scored.parquet"
-    cmd = [sys.executable, "-m", "stream_rl.cli", "export", "rollouts", "--run", run_dir.name]
-    cmd += ["--runs-dir", str(run_dir.parent), "--out", str(out), "--bootstrap", bootstrap]
-    done = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    if done.returncode != 0 or not out.exists():
-        print(f"  completion lengths: export failed: {done.stderr.strip()[-300:]}", flush=True)
-        return {}
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(out, columns=["completion_token_ids", "finish_reason"]).to_pydict()
-    lengths = sorted(len(ids) for ids in table["completion_token_ids"])
-    if not lengths:
-        return {}
-
-    def q(p: float) -> int:
-        return lengths[min(len(lengths) - 1, int(p * len(lengths)))]
-
-    return {
-        "n": len(lengths),
-        "mean": statistics.fmean(lengths),
-        **{f"p{round(p * 100)}": q(p) for p in (0.1, 0.5, 0.9, 0.99)},
-        "p99_over_p50": q(0.99) / q(0.5),
-        "cut_at_max_tokens": table["finish_reason"].count("length") / len(lengths),
-    }
-
-
-def target_reached(run_dir: Path, target: float, window: int) -> int | None:
-    """The version at which the centred moving mean of the trained reward reached `target`, once
-    it is final (the `window // 2` versions after it are published), else None. Read from the
-    live timeline (its last line may be half written)."""
-    path = run_dir / "timeline.jsonl"
-    if not path.exists():
-        return None
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # the line being written
-    starts = [i for i, r in enumerate(records) if r.get("kind") == "start"]
-    updates = versions_of(records[starts[-1] :] if starts else records)[1:]
-    smooth = centered_mean([float(v.get("reward_mean", 0.0)) for v in updates], window)
-    final = len(updates) - window // 2  # points whose whole window is published
-    return next((updates[i]["version"] for i in range(max(final, 0)) if smooth[i] >= target), None)
 
 
 def analyze_run(run_dir: Path, target: float, window: int) -> dict[str, Any]:
@@ -464,7 +415,8 @@ def main() -> int:
         previous = json.loads(out_json.read_text())
         runs = []
         for old in previous["runs"]:
-            keep = {k: old[k] for k in ("mode", "repeat", "run", "rc", "launch_s", "command") if k in old}
+            kept = ("mode", "repeat", "run", "rc", "launch_s", "command", "stopped_at_target_version")
+            keep = {k: old[k] for k in old if k in kept or k.startswith("completion_")}  # read after the run
             runs.append({**keep, **analyze_run(Path(args.runs_dir) / old["run"], args.target, args.window)})
         result = {**previous, "target": args.target, "window": args.window, "runs": runs}
     else:
