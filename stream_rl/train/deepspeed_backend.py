@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from stream_rl.config import RunConfig, TrainerConfig
-from stream_rl.contracts import TrainingBatch, TrainingSample
+from stream_rl.contracts import TrainingBatch
 from stream_rl.errors import ConfigError
 from stream_rl.modeling import enable_gradient_checkpointing, untied_head_name
 from stream_rl.rl.schedule import make_lr_lambda
@@ -52,13 +52,12 @@ from stream_rl.train.ranks import (
     OP_STOP,
     OP_WEIGHTS,
     Control,
+    RankZero,
     decode_step,
-    encode_step,
     reduce_stats,
 )
 from stream_rl.train.rows import pack_samples
 from stream_rl.train.step import (
-    MicroResult,
     Scorer,
     StepOutcome,
     check_training_setup,
@@ -95,7 +94,7 @@ def ds_config(tcfg: TrainerConfig, dtype: str, zero_stage: int, numel: int) -> d
     }
 
 
-class DeepSpeedTrainer:
+class DeepSpeedTrainer(RankZero):
     """`PolicyTrainer`'s interface on a DeepSpeed engine; rank 0 drives, the others `follow()`."""
 
     def __init__(
@@ -137,21 +136,6 @@ class DeepSpeedTrainer:
 
     # -- the PolicyTrainer interface (rank 0) ----------------------------------------------------
 
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab
-
-    def micro_batch(self, samples: list[TrainingSample]) -> MicroResult:
-        """Buffer the micro-batch; it is trained by `optimizer_step` (see the module doc)."""
-        self._pending.append(TrainingBatch("pending", "", list(samples), "trainer"))
-        packed = pack_samples(samples, self.cfg.pack_row_tokens)
-        return MicroResult(0.0, TokenStats(), packed.real_tokens, packed.padded_tokens)
-
-    def optimizer_step(self, num_sequences: int) -> StepOutcome:
-        batches, self._pending = self._pending, []
-        self.control.send(OP_STEP, encode_step(batches, num_sequences))
-        return self._step(batches, num_sequences)
-
     @contextmanager
     def full_weights(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         if self.rank == 0:
@@ -161,24 +145,6 @@ class DeepSpeedTrainer:
                 (n, p.detach().float() if n == self._fp32_head else p.detach())
                 for n, p in self.engine.module.lm.named_parameters()
             ]
-
-    def checksum(self) -> str:
-        from stream_rl.weights.checksum import weights_checksum
-
-        with self.full_weights() as named:
-            return weights_checksum(named)
-
-    def save_to(self, directory: Path) -> None:
-        self.control.send(OP_SAVE, str(directory).encode())
-        self._save(directory)
-
-    def load_from(self, directory: Path) -> None:
-        self.control.send(OP_LOAD, str(directory).encode())
-        self._load(directory)
-
-    def close(self) -> None:
-        if self.rank == 0:
-            self.control.send(OP_STOP)
 
     # -- what every rank runs ------------------------------------------------------------------
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from stream_rl.config import RunConfig, TrainerConfig
-from stream_rl.contracts import TrainingBatch, TrainingSample
+from stream_rl.contracts import TrainingBatch
 from stream_rl.errors import ConfigError
 from stream_rl.modeling import enable_gradient_checkpointing, untied_head_name
 from stream_rl.rl.schedule import make_lr_lambda
@@ -51,13 +51,12 @@ from stream_rl.train.ranks import (
     OP_STOP,
     OP_WEIGHTS,
     Control,
+    RankZero,
     decode_step,
-    encode_step,
     reduce_stats,
 )
 from stream_rl.train.rows import pack_samples
 from stream_rl.train.step import (
-    MicroResult,
     Scorer,
     StepOutcome,
     check_training_setup,
@@ -76,7 +75,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-class FSDP2Trainer:
+class FSDP2Trainer(RankZero):
     """`PolicyTrainer`'s interface on an FSDP2-sharded model; rank 0 drives, the others `follow()`."""
 
     def __init__(self, lm: nn.Module, cfg: TrainerConfig, *, temperature: float, dtype: str) -> None:
@@ -120,44 +119,11 @@ class FSDP2Trainer:
 
     # -- the PolicyTrainer interface (rank 0) ----------------------------------------------------
 
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab
-
-    def micro_batch(self, samples: list[TrainingSample]) -> MicroResult:
-        """Buffer the micro-batch; it is trained by `optimizer_step` (see the module doc)."""
-        self._pending.append(TrainingBatch("pending", "", list(samples), "trainer"))
-        packed = pack_samples(samples, self.cfg.pack_row_tokens)
-        return MicroResult(0.0, TokenStats(), packed.real_tokens, packed.padded_tokens)
-
-    def optimizer_step(self, num_sequences: int) -> StepOutcome:
-        batches, self._pending = self._pending, []
-        self.control.send(OP_STEP, encode_step(batches, num_sequences))
-        return self._step(batches, num_sequences)
-
     @contextmanager
     def full_weights(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         if self.rank == 0:
             self.control.send(OP_WEIGHTS)
         yield self._gather()
-
-    def checksum(self) -> str:
-        from stream_rl.weights.checksum import weights_checksum
-
-        with self.full_weights() as named:
-            return weights_checksum(named)
-
-    def save_to(self, directory: Path) -> None:
-        self.control.send(OP_SAVE, str(directory).encode())
-        self._save(directory)
-
-    def load_from(self, directory: Path) -> None:
-        self.control.send(OP_LOAD, str(directory).encode())
-        self._load(directory)
-
-    def close(self) -> None:
-        if self.rank == 0:
-            self.control.send(OP_STOP)
 
     # -- what every rank runs ------------------------------------------------------------------
 

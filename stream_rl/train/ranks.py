@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,14 @@ import torch.distributed as dist
 from stream_rl.contracts import TrainingBatch
 from stream_rl.kafka.serde import default_serde
 from stream_rl.rl.stats import TokenStats
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+    from pathlib import Path
+
+    from stream_rl.config import TrainerConfig
+    from stream_rl.contracts import TrainingSample
+    from stream_rl.train.step import MicroResult, StepOutcome
 
 OP_STEP, OP_WEIGHTS, OP_SAVE, OP_LOAD, OP_STOP = 1, 2, 3, 4, 5
 
@@ -107,3 +115,64 @@ def shutdown() -> None:
     (seen once in CI: rank 1 of the ZeRO-3 test, after its last version)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+class RankZero:
+    """What a data-parallel backend's rank 0 does for the `PolicyTrainer` interface, the same for
+    DeepSpeed and FSDP2: buffer micro-batches, send each command to the followers over `control`,
+    then run it itself. A backend sets `cfg`, `rank`, `control`, `_vocab` and `_pending` and
+    implements `_step`, `_save`, `_load` and `full_weights` (what every rank runs)."""
+
+    cfg: TrainerConfig
+    rank: int
+    control: Control
+    _vocab: int
+    _pending: list[TrainingBatch]
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    def micro_batch(self, samples: list[TrainingSample]) -> MicroResult:
+        """Buffer the micro-batch; it is trained by `optimizer_step` (on every rank at once)."""
+        from stream_rl.train.rows import pack_samples
+        from stream_rl.train.step import MicroResult
+
+        self._pending.append(TrainingBatch("pending", "", list(samples), "trainer"))
+        packed = pack_samples(samples, self.cfg.pack_row_tokens)
+        return MicroResult(0.0, TokenStats(), packed.real_tokens, packed.padded_tokens)
+
+    def optimizer_step(self, num_sequences: int) -> StepOutcome:
+        batches, self._pending = self._pending, []
+        self.control.send(OP_STEP, encode_step(batches, num_sequences))
+        return self._step(batches, num_sequences)
+
+    def checksum(self) -> str:
+        from stream_rl.weights.checksum import weights_checksum
+
+        with self.full_weights() as named:
+            return weights_checksum(named)
+
+    def save_to(self, directory: Path) -> None:
+        self.control.send(OP_SAVE, str(directory).encode())
+        self._save(directory)
+
+    def load_from(self, directory: Path) -> None:
+        self.control.send(OP_LOAD, str(directory).encode())
+        self._load(directory)
+
+    def close(self) -> None:
+        if self.rank == 0:
+            self.control.send(OP_STOP)
+
+    def full_weights(self) -> AbstractContextManager[list[tuple[str, torch.Tensor]]]:
+        raise NotImplementedError
+
+    def _step(self, batches: list[TrainingBatch], sequences: int) -> StepOutcome:
+        raise NotImplementedError
+
+    def _save(self, directory: Path) -> None:
+        raise NotImplementedError
+
+    def _load(self, directory: Path) -> None:
+        raise NotImplementedError
