@@ -195,7 +195,7 @@ def demo_run(engine: str, model: Path, repeat: int, runs_dir: Path, target: floa
     sys.path.insert(0, str(REPO / "bench"))
     from run_probe import time_to_target, versions_of
 
-    from stream_rl.report import load_timeline
+    from stream_rl.observe.report import load_timeline
 
     run = f"engines-{engine}-r{repeat}-{int(time.time())}"
     broker = tempfile.mkdtemp(prefix=f"{run}-kafka-")

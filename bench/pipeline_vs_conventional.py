@@ -64,7 +64,7 @@ from run_watch import completion_lengths, target_reached
 
 from stream_rl.config import load_config
 from stream_rl.kafka.broker import LocalBroker, free_port
-from stream_rl.report import load_timeline
+from stream_rl.observe.report import load_timeline
 
 RESULTS = Path(__file__).parent / "results"
 MODES: dict[str, list[str]] = {

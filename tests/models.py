@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("STREAM_RL_CACHE", Path.home() / ".cache" / "stream-rl")) / "test-models"
 _SOURCES = (
     "stream_rl/inference/model_maker.py",
-    "stream_rl/warm_start.py",
+    "stream_rl/tools/warm_start.py",
     "stream_rl/tasks/arithmetic.py",
     "stream_rl/tasks/base.py",
 )
@@ -50,7 +50,7 @@ def cached_model(preset: str = "tiny", *, seed: int = 0, warm_start: str | None 
     shutil.rmtree(scratch, ignore_errors=True)
     make_model(scratch, preset, seed=seed)
     if warm_start is not None:
-        from stream_rl.warm_start import warm_start as fit
+        from stream_rl.tools.warm_start import warm_start as fit
 
         fit(scratch, warm_start, seed=seed, progress=False)
     try:

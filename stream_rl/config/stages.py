@@ -130,7 +130,7 @@ class PreprocessorConfig(Model):
     """Closed groups remembered per partition (in the state topic) to drop late duplicates. Late
     duplicates come from a restarted upstream stage redoing its uncommitted work, a few steps'
     worth; the trainer drops any that slip through (`trainer.dedupe_window`). Its memory is held
-    from start: 72 bytes a group per assigned partition (`stream_rl/windows.py`)."""
+    from start: 72 bytes a group per assigned partition (`stream_rl/common/windows.py`)."""
     max_batch_bytes: int = Field(1_000_000, ge=4096)
     """Encoded size limit of one TrainingBatch record; a larger pack is split."""
 
@@ -316,6 +316,6 @@ class LauncherConfig(Model):
     fork_stages: Literal["auto", "off"] = "auto"
     """`auto`: on a CPU run (`trainer.device` and `inference.device` both `cpu`), the `stream-rl`
     stages and built-in servers are forked from one process that has imported torch and
-    transformers once (`stream_rl/forkserver.py`), not started as programs that each import them
+    transformers once (`stream_rl/run/forkserver.py`), not started as programs that each import them
     (~6.5 s of CPU per trainer or server on 2 cores). `off`: every child is its own program (as on
     GPU runs always; `ps` then shows each child's own command line)."""

@@ -182,12 +182,12 @@ class Engine:
     ) -> Engine:
         """Load a local Hugging Face model directory (no hub access) and build an engine.
 
-        Loaded like the trainer's model (`stream_rl.modeling.load_causal_lm`): with bf16/fp16 an
+        Loaded like the trainer's model (`stream_rl.common.modeling.load_causal_lm`): with bf16/fp16 an
         untied lm_head stays float32, so the parameters match what the trainer pushes."""
         from transformers import AutoTokenizer
 
+        from stream_rl.common.modeling import load_causal_lm
         from stream_rl.errors import ConfigError
-        from stream_rl.modeling import load_causal_lm
 
         if dtype not in DTYPES:
             raise InferenceError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")

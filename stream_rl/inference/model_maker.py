@@ -132,7 +132,7 @@ def make_model(
     """Write a randomly initialised model and its tokenizer to `out`; returns the directory.
 
     `tie_embeddings=False` gives the lm_head its own weight (as most models past ~1B have), the
-    case where a bf16 model keeps its lm_head in float32 (stream_rl.modeling).
+    case where a bf16 model keeps its lm_head in float32 (stream_rl.common.modeling).
 
     The same (preset, arch, seed) always gives bit-identical weights. Refuses to overwrite a
     directory that already holds a model unless `overwrite`.

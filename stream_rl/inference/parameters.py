@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from stream_rl.common.dtypes import DTYPE_NAMES, DTYPES
 from stream_rl.errors import WeightSyncError
-from stream_rl.weights.buckets import DTYPE_NAMES, DTYPES
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from stream_rl import heap
+from stream_rl.common import heap
 from stream_rl.config import InferenceConfig, ModelConfig, format_validation_error
 from stream_rl.errors import ConfigError, StreamRLError
 from stream_rl.inference import guards, ipc_routes, openai_routes, weights_routes

@@ -173,9 +173,9 @@ def main_lag(args: argparse.Namespace) -> int:
     if args.serve_metrics is None:
         print(format_lags(run_lags(kafka, names, with_age=not args.no_age)))
         return 0
+    from stream_rl.common.metrics import serve_metrics
     from stream_rl.kafka.lag import LagExporter
     from stream_rl.kafka.stage import StopFlag
-    from stream_rl.metrics import serve_metrics
 
     stop = StopFlag()
     stop.install_signal_handlers()

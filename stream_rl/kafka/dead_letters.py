@@ -20,10 +20,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from stream_rl.common.metrics import DLQ
 from stream_rl.contracts import now_ms
 from stream_rl.errors import ContractError
 from stream_rl.kafka.transport import Message, Producer
-from stream_rl.metrics import DLQ
 
 log = logging.getLogger(__name__)
 

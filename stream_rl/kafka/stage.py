@@ -27,13 +27,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from stream_rl import heap
+from stream_rl.common import heap
+from stream_rl.common.metrics import BATCH_SECONDS, RECORDS_IN, RECORDS_OUT
 from stream_rl.contracts import Contract
 from stream_rl.errors import ContractError, KafkaError, TransactionAborted
 from stream_rl.kafka.dead_letters import DeadLetters
 from stream_rl.kafka.serde import Serde, default_serde
 from stream_rl.kafka.transport import Consumer, Message, Producer, TopicPartition, Transport
-from stream_rl.metrics import BATCH_SECONDS, RECORDS_IN, RECORDS_OUT
 
 log = logging.getLogger(__name__)
 

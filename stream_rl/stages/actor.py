@@ -45,7 +45,9 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge
 
-from stream_rl import heap
+from stream_rl.common import heap
+from stream_rl.common.metrics import DUPLICATES, RECORDS_IN, RECORDS_OUT
+from stream_rl.common.windows import RecentKeys
 from stream_rl.config import RunConfig
 from stream_rl.contracts import Problem, Rollout, ServerMembership
 from stream_rl.errors import ContractError, KafkaError
@@ -57,7 +59,6 @@ from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.stage import StageStats, StopFlag
 from stream_rl.kafka.topics import PROBLEMS, RAW_ROLLOUTS, TopicNames
 from stream_rl.kafka.transport import Message, TopicPartition, Transport
-from stream_rl.metrics import DUPLICATES, RECORDS_IN, RECORDS_OUT
 from stream_rl.stages.admission import Admission, Key, ViewRefresh
 from stream_rl.stages.entry import Instance, add_stage_arguments, open_transport, run_stage_command
 from stream_rl.stages.problem_order import PartitionFlow, ProblemOrder
@@ -71,7 +72,6 @@ from stream_rl.stages.routing import (
     server_urls,
 )
 from stream_rl.tasks import get_task
-from stream_rl.windows import RecentKeys
 
 log = logging.getLogger(__name__)
 

@@ -25,10 +25,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from stream_rl.cli import add_common
+from stream_rl.common.metrics import UP, serve_metrics
 from stream_rl.config import RunConfig, load_config
 from stream_rl.kafka.stage import StageStats, StopFlag
 from stream_rl.kafka.transport import Transport
-from stream_rl.metrics import UP, serve_metrics
 
 if TYPE_CHECKING:
     from stream_rl.kafka.client import KafkaTransport

@@ -43,7 +43,8 @@ import logging
 import time
 from typing import Any
 
-from stream_rl import heap
+from stream_rl.common import heap
+from stream_rl.common.metrics import RECORDS_OUT
 from stream_rl.config import RunConfig
 from stream_rl.contracts import EvalResult, Problem, WeightVersion, WeightVersionKind, now_ms
 from stream_rl.errors import ConfigError, InferenceError, StreamRLError
@@ -53,7 +54,6 @@ from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.stage import StageStats, StopFlag
 from stream_rl.kafka.topics import EVAL_RESULTS, TopicNames
 from stream_rl.kafka.transport import Transport
-from stream_rl.metrics import RECORDS_OUT
 from stream_rl.stages.entry import Instance, add_stage_arguments, open_transport, run_stage_command
 from stream_rl.stages.evaluation import Outcome, aggregate, count_versions, is_due
 from stream_rl.stages.rollouts import ChatTokenizer, TurnClient, sample_seed

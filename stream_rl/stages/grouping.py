@@ -17,11 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from stream_rl.common.windows import RecentIds
 from stream_rl.config import PreprocessorConfig
 from stream_rl.contracts import PartialGroup, PendingSample, ScoredRollout, TrainingSample
 from stream_rl.kafka.serde import Serde
 from stream_rl.rl.advantages import compute_advantages
-from stream_rl.windows import RecentIds
 
 
 class Added(Enum):

@@ -40,6 +40,7 @@ from collections.abc import Callable
 
 from prometheus_client import Counter
 
+from stream_rl.common.metrics import DUPLICATES
 from stream_rl.config import RunConfig
 from stream_rl.contracts import PartialGroup, PendingSample, ScoredRollout, TrainingSample, now_ms
 from stream_rl.errors import ConfigError
@@ -50,7 +51,6 @@ from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.stage import Incoming, Output, Reject, StageLoop, StageStats, StopFlag
 from stream_rl.kafka.topics import SCORED, TRAINING_BATCHES, TopicNames
 from stream_rl.kafka.transport import Message, TopicPartition, Transport
-from stream_rl.metrics import DUPLICATES
 from stream_rl.stages.entry import Instance, add_stage_arguments, open_transport, run_stage_command
 from stream_rl.stages.grouping import Added, PartitionGroups, group_advantages, training_samples
 from stream_rl.stages.micro_batches import pack

@@ -51,7 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from stream_rl import heap
+from stream_rl.common import heap
+from stream_rl.common.metrics import RECORDS_IN, UP
 from stream_rl.config import RunConfig
 from stream_rl.contracts import (
     EvalResult,
@@ -67,7 +68,6 @@ from stream_rl.kafka.serde import Serde, default_serde
 from stream_rl.kafka.stage import StopFlag
 from stream_rl.kafka.topics import EVAL_RESULTS, TRAINING_BATCHES, WEIGHT_VERSIONS, TopicNames
 from stream_rl.kafka.transport import Consumer, Message, Producer, Transport
-from stream_rl.metrics import RECORDS_IN, UP
 from stream_rl.stages.entry import add_stage_arguments, open_transport, stage_config, start_stage
 from stream_rl.train import metrics as tm
 from stream_rl.train.backends import build_trainer

@@ -44,7 +44,7 @@ FINISH_LENGTH = "length"
 
 @dataclass(frozen=True, slots=True)
 class WarmStartDefaults:
-    """A task's defaults for `make-model --warm-start` (stream_rl/warm_start.py); the command's
+    """A task's defaults for `make-model --warm-start` (stream_rl/tools/warm_start.py); the command's
     flags override them. Measured per task: the sampled accuracy RL starts from depends on them."""
 
     steps: int = 800

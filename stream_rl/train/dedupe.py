@@ -8,7 +8,7 @@ be counted twice), and a sample whose `rollout_id` was seen is dropped from its 
 samples are counted (`duplicates`), never trained, never counted as consumed.
 
 Memory is fixed by `capacity` (default `trainer.dedupe_window`, 20,000 ids: 1.4 MB held from
-start, `stream_rl/windows.py`). The guarantee is "at most once among the last `capacity`
+start, `stream_rl/common/windows.py`). The guarantee is "at most once among the last `capacity`
 samples": duplicates come from re-delivery, which arrives within a few steps of the original.
 The windows are part of every checkpoint
 (`dedupe.json`), so a restarted trainer, which re-consumes from its checkpoint's offsets, takes
@@ -22,8 +22,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+from stream_rl.common.windows import RecentIds
 from stream_rl.contracts import TrainingBatch
-from stream_rl.windows import RecentIds
 
 FILE = "dedupe.json"
 

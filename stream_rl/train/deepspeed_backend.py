@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stream_rl.common.modeling import enable_gradient_checkpointing, untied_head_name
 from stream_rl.config import RunConfig, TrainerConfig
 from stream_rl.contracts import TrainingBatch
 from stream_rl.errors import ConfigError
-from stream_rl.modeling import enable_gradient_checkpointing, untied_head_name
 from stream_rl.rl.schedule import make_lr_lambda
 from stream_rl.rl.stats import TokenStats
 from stream_rl.train.ranks import (
@@ -128,7 +128,7 @@ class DeepSpeedTrainer(RankZero):
             enable_gradient_checkpointing(self.engine.module.lm)
         # DeepSpeed casts the whole module to bf16/fp16 (its fp32 master weights live in the
         # optimizer); servers loaded in that dtype hold an untied lm_head in float32
-        # (stream_rl.modeling), so that one is pushed upcast: same values, the servers' dtype.
+        # (stream_rl.common.modeling), so that one is pushed upcast: same values, the servers' dtype.
         self._fp32_head = untied_head_name(lm) if dtype in ("bfloat16", "float16") else None
         self.device = self.engine.device
         self.zero_stage = zero_stage

@@ -19,7 +19,7 @@ launched with `torchrun` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK
 - STOP.
 Each decoder layer is its own FSDP unit, the root (embeddings, final norm, head) another. bf16:
 `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)` over float32 shards (the
-master weights), weights pushed cast to bf16 (an untied head float32, as `stream_rl.modeling`
+master weights), weights pushed cast to bf16 (an untied head float32, as `stream_rl.common.modeling`
 loads it); float16 is refused (no loss scaling). Verified on CPU with gloo (torch 2.13); the same
 code picks NCCL and the rank's GPU with `trainer.device: cuda` (not run here: no GPU).
 """
@@ -38,10 +38,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stream_rl.common.modeling import enable_gradient_checkpointing, untied_head_name
 from stream_rl.config import RunConfig, TrainerConfig
 from stream_rl.contracts import TrainingBatch
 from stream_rl.errors import ConfigError
-from stream_rl.modeling import enable_gradient_checkpointing, untied_head_name
 from stream_rl.rl.schedule import make_lr_lambda
 from stream_rl.rl.stats import TokenStats
 from stream_rl.train.ranks import (

@@ -2,7 +2,7 @@
 
 With `model.dtype: bfloat16` the model's parameters (the ones forward and backward run on, and the
 ones pushed to the servers) are bf16, except an untied lm_head, kept float32
-(`stream_rl.modeling`). AdamW on bf16 parameters would lose every update smaller than bf16's
+(`stream_rl.common.modeling`). AdamW on bf16 parameters would lose every update smaller than bf16's
 resolution (2^-8 relative: an lr of 1e-6 changes nothing), so, as DeepSpeed's bf16 mode and
 PipelineRL's trainer do, the optimizer steps float32 **master** copies:
 

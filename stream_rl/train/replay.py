@@ -175,7 +175,7 @@ def replay_trainer(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `replay trainer` (`stream_rl.replay` adds it as a subcommand)."""
+    """The options of `replay trainer` (`stream_rl.tools.replay` adds it as a subcommand)."""
     from stream_rl.cli import add_common
 
     parser.add_argument("--run", required=True, help="run name")

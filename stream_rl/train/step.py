@@ -35,10 +35,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from stream_rl.common.modeling import enable_gradient_checkpointing, load_causal_lm
 from stream_rl.config import TrainerConfig
 from stream_rl.contracts import TrainingSample
 from stream_rl.errors import ConfigError
-from stream_rl.modeling import enable_gradient_checkpointing, load_causal_lm
 from stream_rl.rl.logprobs import token_entropy, token_logprobs
 from stream_rl.rl.losses import LossOutput, policy_loss
 from stream_rl.rl.schedule import make_lr_lambda
@@ -71,7 +71,7 @@ def load_model(
     path: str | Path, dtype: str, device: str, attn_implementation: str = "sdpa", runs_in: str | None = None
 ) -> nn.Module:
     """The causal LM in `path` (a local HF directory), in eval mode, on `device`, in `dtype` with
-    an untied lm_head kept float32 for bf16/fp16 (`stream_rl.modeling`)."""
+    an untied lm_head kept float32 for bf16/fp16 (`stream_rl.common.modeling`)."""
     p = Path(path)
     if not (p / "config.json").is_file():
         raise ConfigError(

@@ -21,16 +21,8 @@ from typing import Any
 
 import torch
 
+from stream_rl.common.dtypes import DTYPE_NAMES, DTYPES
 from stream_rl.errors import WeightSyncError
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-"""Wire dtype names and their torch dtypes: the only dtypes a weight update carries."""
-
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 @dataclass(frozen=True)

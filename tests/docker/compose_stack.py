@@ -30,7 +30,7 @@ SUBNET = "10.213.250.0/24"  # inside engine.sh's default address pool, 10.213.0.
 # The code that makes the demo model: the models volume is rebuilt when it changes.
 MODEL_CODE = [
     "stream_rl/inference/model_maker.py",
-    "stream_rl/warm_start.py",
+    "stream_rl/tools/warm_start.py",
     "stream_rl/tasks/arithmetic.py",
 ]
 

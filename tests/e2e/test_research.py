@@ -83,7 +83,7 @@ def research(tmp_path_factory: pytest.TempPathFactory, kafka_bootstrap: str) -> 
     import torch
 
     from stream_rl.inference.model_maker import make_model
-    from stream_rl.warm_start import warm_start
+    from stream_rl.tools.warm_start import warm_start
 
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("research")
@@ -212,7 +212,7 @@ def test_exported_models_reproduce_the_served_weights(
     scored = topic_records(kafka, research, SCORED, ScoredRollout)
     config = research.config
     # 0: the base model; 2: rebuilt by re-training from version 0 (no checkpoint there); 4: the final checkpoint.
-    from stream_rl.export import export_model
+    from stream_rl.tools.export import export_model
 
     for version in (0, 2, MAX_STEPS):
         out = tmp_path / f"v{version}"

@@ -514,7 +514,7 @@ def test_a_vllm_server_joins_a_run_as_the_servers_protocol_says(
     routes, the trainer's sender taking a server added after it started, and the `/metrics`
     gauges `servers leave` drains on (vLLM's names)."""
     from stream_rl.kafka.membership import read_members
-    from stream_rl.membership import _held, join_server, load
+    from stream_rl.run.servers import _held, join_server, load
 
     said: list[str] = []
     join_server(kafka, run_names, server.url, "vllm", timeout_s=60, wait=False, say=said.append)

@@ -15,13 +15,13 @@ import pytest
 from fakes.server_thread import ServerThread
 from models import cached_model
 
-from stream_rl.children import child_env, run_api_key
 from stream_rl.config import load_config
 from stream_rl.config.inference import API_KEY_ENV
 from stream_rl.errors import ConfigError, InferenceError
 from stream_rl.inference.engine import Engine
 from stream_rl.kafka.stage import StopFlag
-from stream_rl.launch import Launcher
+from stream_rl.run.children import child_env, run_api_key
+from stream_rl.run.launch import Launcher
 
 pytestmark = pytest.mark.unit
 

@@ -59,7 +59,7 @@ def test_a_taken_server_port_is_a_clear_error(tmp_path: Path) -> None:
     from stream_rl.config import load_config
     from stream_rl.errors import StreamRLError
     from stream_rl.kafka.stage import StopFlag
-    from stream_rl.launch import Launcher
+    from stream_rl.run.launch import Launcher
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -116,7 +116,7 @@ def test_the_launcher_checks_every_count_before_it_scales_anything(tmp_path: Pat
     from stream_rl.config import load_config
     from stream_rl.errors import StreamRLError
     from stream_rl.kafka.stage import StopFlag
-    from stream_rl.launch import Launcher
+    from stream_rl.run.launch import Launcher
 
     config = load_config(None, [f"runs_dir={tmp_path}", "launcher.actors=2"])
     launcher = Launcher(config, StopFlag())

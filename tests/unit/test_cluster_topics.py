@@ -157,7 +157,7 @@ def test_the_launcher_uses_a_local_cluster_it_finds_and_leaves_it_running(
 
     from stream_rl.kafka import cluster as cluster_module
     from stream_rl.kafka.stage import StopFlag
-    from stream_rl.launch import Launcher
+    from stream_rl.run.launch import Launcher
 
     layout = {"ports": [9401, 9402, 9403], "controller_ports": [9411, 9412, 9413], "cluster_id": "x"}
     (tmp_path / "cluster.json").write_text(json.dumps(layout))

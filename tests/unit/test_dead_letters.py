@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from stream_rl.common.metrics import DLQ
 from stream_rl.errors import ContractError
 from stream_rl.kafka.dead_letters import MAX_ERROR_CHARS, DeadLetters
 from stream_rl.kafka.memory import MemoryTransport
 from stream_rl.kafka.transport import Message
-from stream_rl.metrics import DLQ
 
 pytestmark = pytest.mark.unit
 

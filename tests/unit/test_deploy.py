@@ -281,7 +281,7 @@ def test_metrics_bind_where_the_environment_says(monkeypatch: pytest.MonkeyPatch
     """Containers set $STREAM_RL_METRICS_HOST=0.0.0.0; here 127.0.0.2 tells the two apart."""
     import socket
 
-    from stream_rl.metrics import METRICS_HOST_ENV, serve_metrics
+    from stream_rl.common.metrics import METRICS_HOST_ENV, serve_metrics
 
     monkeypatch.setenv(METRICS_HOST_ENV, "127.0.0.2")
     port = serve_metrics(0)

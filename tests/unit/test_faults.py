@@ -25,9 +25,9 @@ from stream_rl.errors import ContractError
 from stream_rl.kafka.memory import MemoryTransport
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.topics import WEIGHT_VERSIONS
+from stream_rl.run.watchdog import Sample, Watchdog
 from stream_rl.stages import trainer as trainer_stage
 from stream_rl.train.dedupe import TrainedIds
-from stream_rl.watchdog import Sample, Watchdog
 
 pytestmark = pytest.mark.unit
 SERDE = default_serde()
@@ -219,7 +219,7 @@ def test_unknown_task_missing_model_and_unreachable_kafka_are_one_line_errors(
     from stream_rl.kafka.broker import free_port
     from stream_rl.kafka.client import check_reachable
     from stream_rl.kafka.stage import StopFlag
-    from stream_rl.launch import Launcher
+    from stream_rl.run.launch import Launcher
 
     def check(**cfg: object) -> str:
         config = RunConfig.model_validate(
@@ -298,7 +298,7 @@ def test_duplicate_problem_epoch_and_tombstones_are_dead_lettered() -> None:
 def test_launched_servers_get_a_fresh_admin_token_that_never_reaches_the_run_dir(tmp_path: Path) -> None:
     from stream_rl.config import ADMIN_TOKEN_ENV, RunConfig, dump_config
     from stream_rl.kafka.stage import StopFlag
-    from stream_rl.launch import Launcher, child_env
+    from stream_rl.run.launch import Launcher, child_env
 
     config = RunConfig.model_validate({"runs_dir": str(tmp_path), "inference": {"admin_token": None}})
     first, second = Launcher(config, StopFlag()), Launcher(config, StopFlag())
@@ -375,7 +375,7 @@ def test_the_admin_token_reaches_children_through_their_config_and_environment(m
 
 
 def test_the_run_summary_line_survives_a_run_without_rewards(capsys) -> None:  # type: ignore[no-untyped-def]
-    from stream_rl.launch import _print_summary
+    from stream_rl.run.launch import _print_summary
 
     _print_summary({"exit_reason": "stopped", "wall_s": None, "reward": {"first3_mean": None}}, Path("r"))
     assert "no version trained by this invocation" in capsys.readouterr().out

@@ -85,7 +85,7 @@ def _follow_a_run(versions: list[int], evals: list[int]) -> tuple[int, _Sink]:
     from stream_rl.config import RunConfig
     from stream_rl.contracts import WeightVersionKind
     from stream_rl.kafka.stage import StopFlag
-    from stream_rl.track import follow
+    from stream_rl.tools.track import follow
 
     config = RunConfig.model_validate({"run": "r", "eval": {"every": 2}})
     t = MemoryTransport()

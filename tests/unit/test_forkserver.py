@@ -1,4 +1,4 @@
-"""The launcher's fork server (stream_rl/forkserver.py), real processes: a forked `stream-rl`
+"""The launcher's fork server (stream_rl/run/forkserver.py), real processes: a forked `stream-rl`
 command gets its own argv, environment, working directory and log; the launcher's end sees its
 real pid (signals, SIGSTOP included, reach the stage itself) and its exit code as `subprocess`
 reports it; children die with the server; supervision starts a child as a program when the server
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from stream_rl import forkserver
-from stream_rl.children import Child
 from stream_rl.config import load_config
-from stream_rl.supervision import Supervision
+from stream_rl.run import forkserver
+from stream_rl.run.children import Child
+from stream_rl.run.supervision import Supervision
 
 pytestmark = [
     pytest.mark.unit,

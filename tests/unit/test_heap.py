@@ -1,4 +1,4 @@
-"""`stream_rl.heap`: start-up objects frozen out of collections, garbage made later still collected."""
+"""`stream_rl.common.heap`: start-up objects frozen out of collections, garbage made later still collected."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 
-from stream_rl import heap
+from stream_rl.common import heap
 
 pytestmark = pytest.mark.unit
 

@@ -10,7 +10,7 @@ from fakes.records import make_weight_version
 from stream_rl.config import dump_config, load_config
 from stream_rl.contracts import WeightVersionKind
 from stream_rl.errors import ConfigError, StreamRLError
-from stream_rl.identity import RunState, config_differences, decide
+from stream_rl.run.identity import RunState, config_differences, decide
 
 pytestmark = pytest.mark.unit
 

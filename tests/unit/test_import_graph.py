@@ -1,10 +1,16 @@
 """The import graph of `stream_rl`: no circle, and no arrow back up.
 
 Every import counts, the lazy ones inside functions too (a lazy import hides a circle from the
-interpreter, not from a reader); imports under `if TYPE_CHECKING:` do not. An arrow back up is a
-module of a subpackage (`stream_rl.inference.*`, `stream_rl.kafka.*`, ...) importing a top-level
-module other than the foundations every layer may use (config, errors, metrics, modeling, and
-cli's shared options): the top level composes the subpackages, not the other way round.
+interpreter, not from a reader); imports under `if TYPE_CHECKING:` do not. Three layers:
+
+- the foundations every layer may use: `config`, `errors`, `common` (model loading, metrics,
+  windows, heap) and `cli`'s shared options;
+- the parts: `contracts`, `kafka`, `inference`, `weights`, `train`, `rl`, `tasks`, `stages`;
+- what composes them: `run` (the launcher and what it runs), `observe` (status, runs, report,
+  plots), `tools` (export, track, rescore, replay, make-model).
+
+An arrow back up is a part (or a foundation) importing a composer, or a foundation importing a
+part: the composers compose the parts, not the other way round.
 """
 
 from __future__ import annotations
@@ -18,15 +24,19 @@ import pytest
 pytestmark = pytest.mark.unit
 
 PACKAGE = Path(__file__).resolve().parents[2] / "stream_rl"
-FOUNDATIONS = {
-    "stream_rl.config",
-    "stream_rl.errors",
-    "stream_rl.heap",
-    "stream_rl.windows",
-    "stream_rl.metrics",
-    "stream_rl.modeling",
-    "stream_rl.cli",
-}
+FOUNDATIONS = ("stream_rl.config", "stream_rl.errors", "stream_rl.common", "stream_rl.cli")
+COMPOSERS = ("stream_rl.run", "stream_rl.observe", "stream_rl.tools")
+
+
+def layer(module: str) -> int:
+    """0: a foundation, 1: a part, 2: a composer (the package itself: 2, it is the entry)."""
+    if module == "stream_rl":
+        return 2
+    if any(module == f or module.startswith(f + ".") for f in FOUNDATIONS):
+        return 0
+    if any(module == c or module.startswith(c + ".") for c in COMPOSERS):
+        return 2
+    return 1
 
 
 def module_files() -> dict[str, Path]:
@@ -135,16 +145,22 @@ def test_no_import_circle_among_stream_rl_modules() -> None:
     assert circles(import_graph()) == []
 
 
-def test_no_arrow_back_up_from_a_subpackage_to_the_top_level() -> None:
-    top = {m for m, p in module_files().items() if m.count(".") == 1 and p.name != "__init__.py"}
+def test_no_arrow_back_up_from_a_lower_layer() -> None:
     back_up = sorted(
         f"{mod} -> {t}"
         for mod, targets in import_graph().items()
-        if mod.count(".") >= 2
+        if mod != "stream_rl.cli"  # the entry point: it names every command's module
         for t in targets
-        if t in top and t not in FOUNDATIONS
+        if layer(t) > layer(mod)
     )
     assert back_up == []
+
+
+def test_the_only_modules_directly_under_the_package_are_its_entry_points() -> None:
+    """`cli` (the command), `errors` (the exceptions a user's code catches); the rest lives in the
+    subpackage of its job."""
+    top = sorted(m for m, p in module_files().items() if m.count(".") == 1 and p.name != "__init__.py")
+    assert top == ["stream_rl.cli", "stream_rl.errors"]
 
 
 def test_no_trainer_backend_imports_another() -> None:

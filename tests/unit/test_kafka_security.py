@@ -189,16 +189,16 @@ def test_every_process_builds_its_transport_from_its_config() -> None:
     users = {str(p) for p, _ in _calls("for_run")}
     for module in (
         "stages/entry.py",  # every stage's, the trainer's included
-        "launch.py",
-        "status.py",
+        "run/launch.py",
+        "observe/status.py",
         "kafka/commands.py",
         "train/replay.py",
         "stages/preprocessor_replay.py",
-        "monitor.py",
-        "scaling.py",
-        "export.py",
-        "track.py",
-        "rescore.py",
+        "run/monitor.py",
+        "run/scaling.py",
+        "tools/export.py",
+        "tools/track.py",
+        "tools/rescore.py",
     ):
         assert f"stream_rl/{module}" in users, module
     for path, call in _calls("check_reachable", methods=False):  # a transport's own carries them
@@ -247,7 +247,7 @@ def test_the_run_directory_holds_no_secret(
     password: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from stream_rl.kafka.stage import StopFlag
-    from stream_rl.launch import Launcher
+    from stream_rl.run.launch import Launcher
 
     monkeypatch.setenv("STREAM_RL_ADMIN_TOKEN", "admin-" + password)
     cfg = load_config(None, [f"runs_dir={tmp_path}", "kafka.bootstrap=broker:9093", *SECURED])

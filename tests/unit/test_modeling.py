@@ -1,4 +1,4 @@
-"""Loading for trainer and engine (stream_rl.modeling): the fp32-lm_head precision rule, the
+"""Loading for trainer and engine (stream_rl.common.modeling): the fp32-lm_head precision rule, the
 attention implementation, gradient checkpointing in eval mode. CPU, tiny random models."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import pytest
 import torch
 from fakes.training import make_sample, make_tiny_model
 
+from stream_rl.common.modeling import enable_gradient_checkpointing, untied_head_name
 from stream_rl.config import TrainerConfig
 from stream_rl.errors import ConfigError, InferenceError
 from stream_rl.inference.engine import Engine
 from stream_rl.inference.model_maker import make_model
 from stream_rl.inference.requests import SamplingParams
-from stream_rl.modeling import enable_gradient_checkpointing, untied_head_name
 from stream_rl.train.rows import pack_samples
 from stream_rl.train.step import PolicyTrainer, completion_logits, configure_determinism, load_model
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from stream_rl.config import load_config
-from stream_rl.report import summarize, write_plots
+from stream_rl.observe.report import summarize, write_plots
 
 pytestmark = pytest.mark.unit
 
@@ -135,7 +135,7 @@ def burst_timeline() -> list[dict]:  # type: ignore[type-arg]
 
 
 def test_every_plotted_value_is_physically_possible_with_duplicate_timestamps() -> None:
-    from stream_rl.plots import RATE_MIN_S, panels
+    from stream_rl.observe.plots import RATE_MIN_S, panels
 
     timeline = burst_timeline()
     data = panels(timeline)
@@ -166,7 +166,7 @@ def test_every_plotted_value_is_physically_possible_with_duplicate_timestamps() 
 
 
 def test_windowed_rates_never_divide_by_less_than_the_floor() -> None:
-    from stream_rl.plots import windowed_rates
+    from stream_rl.observe.plots import windowed_rates
 
     ts, rates = windowed_rates([(0.0, 0.0), (0.0, 10.0), (1.0, 20.0), (1.0, 1e9), (5.0, 1e9 + 4)], 10.0, 4.0)
     assert ts == [5.0]
@@ -175,7 +175,7 @@ def test_windowed_rates_never_divide_by_less_than_the_floor() -> None:
 
 
 def test_summary_line_describes_this_invocation_only_and_never_crashes_on_missing_figures() -> None:
-    from stream_rl.launch import summary_line
+    from stream_rl.run.launch import summary_line
 
     tl = [{"t": 0.0, "kind": "start", "resumed_from": 40}]
     tl += [

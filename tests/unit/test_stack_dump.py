@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from stream_rl.children import Child
 from stream_rl.cli import STACKS_SIGNAL
 from stream_rl.config import load_config
-from stream_rl.supervision import Supervision
-from stream_rl.watchdog import Sample, Watchdog
+from stream_rl.run.children import Child
+from stream_rl.run.supervision import Supervision
+from stream_rl.run.watchdog import Sample, Watchdog
 
 pytestmark = pytest.mark.unit
 

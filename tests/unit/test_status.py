@@ -11,7 +11,7 @@ import pytest
 
 from stream_rl.contracts import WeightVersion, WeightVersionKind
 from stream_rl.kafka.broker import free_port
-from stream_rl.status import StatusView
+from stream_rl.observe.status import StatusView
 
 pytestmark = pytest.mark.unit
 

@@ -102,7 +102,7 @@ def test_length_knobs_and_bad_params() -> None:
 def test_warm_start_smoke(tmp_path: Path) -> None:
     """A few packed supervised steps on short progressions: the loss falls, the report comes back."""
     from stream_rl.inference.model_maker import make_model
-    from stream_rl.warm_start import warm_start
+    from stream_rl.tools.warm_start import warm_start
 
     out = make_model(tmp_path / "m", "tiny", seed=0)
     params = {"num_problems": 64, "median_terms": 4, "sigma": 0.3, "min_terms": 2, "max_terms": 8}

@@ -8,7 +8,7 @@ import pytest
 
 from stream_rl.errors import TaskError
 from stream_rl.inference.model_maker import make_model
-from stream_rl.warm_start import warm_start
+from stream_rl.tools.warm_start import warm_start
 
 pytestmark = pytest.mark.unit
 

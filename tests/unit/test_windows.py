@@ -1,4 +1,4 @@
-"""`stream_rl.windows`: duplicate windows in memory fixed at construction."""
+"""`stream_rl.common.windows`: duplicate windows in memory fixed at construction."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import tracemalloc
 
 import pytest
 
-from stream_rl.windows import RecentIds, RecentKeys
+from stream_rl.common.windows import RecentIds, RecentKeys
 
 pytestmark = pytest.mark.unit
 

@@ -22,8 +22,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from stream_rl.common.dtypes import DTYPES
 from stream_rl.errors import ConfigError
-from stream_rl.weights.buckets import DTYPES
 
 AttnImplementation = Literal["eager", "sdpa", "flash_attention_2"]
 ATTN_IMPLEMENTATIONS: tuple[AttnImplementation, ...] = ("eager", "sdpa", "flash_attention_2")

@@ -20,7 +20,7 @@ from stream_rl.kafka.outage import REACHABLE_WAIT_ENV
 
 class ChildProcess(Protocol):
     """What supervision does with a child's process: a `subprocess.Popen`, or a
-    `stream_rl.forkserver.ForkedProcess` (a stage forked by the fork server)."""
+    `stream_rl.run.forkserver.ForkedProcess` (a stage forked by the fork server)."""
 
     pid: int
     returncode: int | None

@@ -1,6 +1,6 @@
 """What the launcher watches while a run goes: the `weight-versions` lineage, the `eval-results`,
 broker lag per consumer group and topic end offsets, sampled into `runs/<run>/timeline.jsonl`; a
-progress bar; at the end `summary.json` and the plots (`stream_rl/report.py`, `stream_rl/plots.py`).
+progress bar; at the end `summary.json` and the plots (`stream_rl/observe/report.py`, `stream_rl/observe/plots.py`).
 
 A resumed run's timeline gets a new `start` record (with `resumed_from`, the lineage's last version
 at the start) and only the versions this invocation trains, so its summary describes them alone."""
@@ -20,7 +20,7 @@ from stream_rl.kafka.client import KafkaTransport
 from stream_rl.kafka.follower import RecordFollower, VersionFollower
 from stream_rl.kafka.lag import LagExporter
 from stream_rl.kafka.topics import EVAL_RESULTS, PROBLEMS, RAW_ROLLOUTS, SCORED, TRAINING_BATCHES, TopicNames
-from stream_rl.watchdog import Sample
+from stream_rl.run.watchdog import Sample
 
 SAMPLE_EVERY_S = 5.0
 """Lag and offsets sampling period (each sample is a few dozen broker requests)."""
@@ -193,7 +193,7 @@ class RunMonitor:
             self._bar.close()
 
     def finish(self, wall_s: float, exit_reason: str, failed: str | None) -> dict[str, Any]:
-        from stream_rl.report import load_timeline, summarize, write_plots
+        from stream_rl.observe.report import load_timeline, summarize, write_plots
 
         if self._timeline is not None:
             self._timeline.close()

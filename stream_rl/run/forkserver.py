@@ -48,7 +48,7 @@ PRELOAD = [
     "stream_rl.stages.loader",
     "stream_rl.stages.evaluator",
     "stream_rl.inference.server",
-    "stream_rl.track",
+    "stream_rl.tools.track",
 ]
 """What the server imports before it forks anything (`stream_rl.cli` imports each command's module
 lazily; these are the launcher's stages')."""
@@ -224,10 +224,10 @@ class ForkServer:
     ) -> ForkServer:
         """Start the server with `env`, its output appended to `log`; it imports `preload` and the
         classes of the model in `model_path` before it forks anything."""
-        from stream_rl.children import die_with_parent
+        from stream_rl.run.children import die_with_parent
 
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        cmd = [sys.executable, "-m", "stream_rl.forkserver", str(theirs.fileno()), ",".join(preload)]
+        cmd = [sys.executable, "-m", "stream_rl.run.forkserver", str(theirs.fileno()), ",".join(preload)]
         if model_path is not None:
             cmd.append(model_path)
         with open(log, "ab") as out:

@@ -1,7 +1,7 @@
 """Experiment-tracker sinks: Weights & Biases, MLflow, TensorBoard. Each gets the run's resolved
 config once (`params`) and then one `log(version, metrics, wall_ms)` per weight version, in version
 order, with flat metric names (`train/loss`, `eval/held-out/pass_at_1`, `lag/verifier`, ...):
-`stream_rl/track.py` builds them from the run's topics.
+`stream_rl/tools/track.py` builds them from the run's topics.
 
 - W&B: `wandb.init(project, name=run, mode=...)` (`offline` writes `wandb/offline-run-*/` under
   the directory, synced later with `wandb sync`); every metric is plotted against `version`

@@ -8,9 +8,9 @@
    log (or is restarted, same instance id, when `launcher.restart` is set); a progress bar shows
    step, reward, version lag and samples/s from `weight-versions`;
 5. stops everything after the trainer's final version (`trainer.max_steps`), on Ctrl-C, or after
-   `launcher.max_wall_s`, then writes `summary.json` and the plots (`stream_rl/report.py`).
+   `launcher.max_wall_s`, then writes `summary.json` and the plots (`stream_rl/observe/report.py`).
 
-Split by role: `stream_rl.children` (a child process, its environment), `stream_rl.supervision`
+Split by role: `stream_rl.run.children` (a child process, its environment), `stream_rl.run.supervision`
 (starting, watching, restarting and stopping the children); this module holds the run's
 preparation (steps 1-3), the run loop and the CLI entry, and re-exports the others' names.
 """
@@ -25,18 +25,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stream_rl import heap
-from stream_rl.children import Child, child_env, die_with_parent, run_admin_token, run_api_key
+from stream_rl.common import heap
 from stream_rl.config import RunConfig, dump_config, load_config
 from stream_rl.contracts import WeightVersionKind
-from stream_rl.identity import Identity, RunState, decide
 from stream_rl.inference.servers import check_engine, launch_for
 from stream_rl.kafka.broker import LocalBroker, free_port
 from stream_rl.kafka.stage import StopFlag
-from stream_rl.scaling import Scaling
-from stream_rl.supervision import STOP_GRACE_S, Supervision
+from stream_rl.run.children import Child, child_env, die_with_parent, run_admin_token, run_api_key
+from stream_rl.run.identity import Identity, RunState, decide
+from stream_rl.run.scaling import Scaling
+from stream_rl.run.supervision import STOP_GRACE_S, Supervision
+from stream_rl.run.watchdog import Watchdog
 from stream_rl.train.record import engine_label, software, software_header
-from stream_rl.watchdog import Watchdog
 
 __all__ = [
     "STOP_GRACE_S",
@@ -115,7 +115,7 @@ class Launcher(Supervision, Scaling):
         return bootstrap
 
     def check_identity(self) -> Identity:
-        """New, resume, or refuse (`stream_rl/identity.py`), before anything starts."""
+        """New, resume, or refuse (`stream_rl/run/identity.py`), before anything starts."""
         import shutil
 
         from stream_rl.kafka.client import KafkaTransport
@@ -263,8 +263,8 @@ class Launcher(Supervision, Scaling):
         )
 
     def _run(self) -> int:
-        from stream_rl.metrics import serve_metrics
-        from stream_rl.monitor import RunMonitor
+        from stream_rl.common.metrics import serve_metrics
+        from stream_rl.run.monitor import RunMonitor
 
         started = time.monotonic()
         self.check_config()

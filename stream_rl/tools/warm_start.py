@@ -244,7 +244,9 @@ def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--untie-embeddings", action="store_true", help="give the lm_head its own weight (default: tied)"
     )
-    ws = parser.add_argument_group("warm start (supervised, on a task's format; see stream_rl/warm_start.py)")
+    ws = parser.add_argument_group(
+        "warm start (supervised, on a task's format; see stream_rl/tools/warm_start.py)"
+    )
     ws.add_argument(
         "--warm-start", metavar="TASK", default=None, help="fine-tune on TASK's ideal completions"
     )

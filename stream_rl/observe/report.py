@@ -1,4 +1,4 @@
-"""A run's summary, from its timeline (`runs/<run>/timeline.jsonl`); the plots are `stream_rl/plots.py`.
+"""A run's summary, from its timeline (`runs/<run>/timeline.jsonl`); the plots are `stream_rl/observe/plots.py`.
 The timeline holds one invocation of `stream-rl run` (the latest `start` and what followed), so
 the summary describes what that invocation trained, and nothing before it.
 
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from stream_rl.config import RunConfig
-from stream_rl.plots import evals_of, versions_of, write_plots
+from stream_rl.observe.plots import evals_of, versions_of, write_plots
 
 
 def _mean(xs: list[float]) -> float | None:

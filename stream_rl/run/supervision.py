@@ -1,7 +1,7 @@
 """`Supervision`, the launcher's process half: it starts the children, waits for the inference
 servers, writes where every process listens (`processes.json`, the Prometheus targets), handles a
 child's exit (restart or stop the run) and the watchdog's stalls, and stops them all in waves.
-`stream_rl.launch.Launcher` composes it with the run's preparation."""
+`stream_rl.run.launch.Launcher` composes it with the run's preparation."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stream_rl.children import Child, child_env, child_index, die_with_parent
 from stream_rl.config import RunConfig
 from stream_rl.contracts import WeightVersionKind
 from stream_rl.errors import StreamRLError
 from stream_rl.kafka.stage import StopFlag
-from stream_rl.watchdog import Watchdog
+from stream_rl.run.children import Child, child_env, child_index, die_with_parent
+from stream_rl.run.watchdog import Watchdog
 
 if TYPE_CHECKING:
-    from stream_rl.forkserver import ForkServer
+    from stream_rl.run.forkserver import ForkServer
 
 STOP_GRACE_S = 20.0
 
@@ -92,8 +92,8 @@ class Supervision:
     # -- processes -------------------------------------------------------------------------
     def start_fork_server(self) -> None:
         """The fork server the CPU run's `stream-rl` children are forked from (`launcher.fork_stages`,
-        `stream_rl/forkserver.py`); it starts importing at once, while the launcher goes on."""
-        from stream_rl import forkserver
+        `stream_rl/run/forkserver.py`); it starts importing at once, while the launcher goes on."""
+        from stream_rl.run import forkserver
 
         cfg = self.config
         on_cpu = cfg.trainer.device == "cpu" and cfg.inference.device == "cpu"
@@ -220,7 +220,7 @@ class Supervision:
         return True
 
     def handle_stall(self, watchdog: Watchdog) -> bool:
-        """The watchdog's verdict: False when the run must stop (see stream_rl/watchdog.py)."""
+        """The watchdog's verdict: False when the run must stop (see stream_rl/run/watchdog.py)."""
         now = time.monotonic()
         stall = watchdog.check(now)
         if stall is None:

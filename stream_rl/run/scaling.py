@@ -36,10 +36,10 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stream_rl.children import Child, child_index
 from stream_rl.config import RunConfig
 from stream_rl.errors import ConfigError, StreamRLError
 from stream_rl.kafka.transport import Transport
+from stream_rl.run.children import Child, child_index
 
 ROLES = ("actor", "verifier", "preprocessor", "server")
 REQUEST = "scale-request.json"
@@ -74,7 +74,7 @@ def _write(path: Path, data: dict[str, Any]) -> None:
 
 
 class Scaling:
-    """The launcher's half of `stream-rl scale` (mixed into `stream_rl.launch.Launcher`)."""
+    """The launcher's half of `stream-rl scale` (mixed into `stream_rl.run.launch.Launcher`)."""
 
     config: RunConfig
     run_dir: Path
@@ -182,7 +182,7 @@ class Scaling:
     def _shares_by_partition(self) -> bool:
         """The run's latest version counts what was consumed per partition of `problems`: actors
         then share the bound by the partitions they hold, whatever their number."""
-        from stream_rl.status import latest_version
+        from stream_rl.observe.status import latest_version
 
         transport, names = self._transport()
         wv = latest_version(transport, names)
@@ -233,7 +233,7 @@ class Scaling:
             self.spawn(child)
             say(f"started {child.name} (pid {child.proc.pid if child.proc else '-'})")
             return
-        from stream_rl.membership import join_server
+        from stream_rl.run.servers import join_server
 
         child = self.add_server(index)
         self.spawn(child)
@@ -259,7 +259,7 @@ class Scaling:
 
     def _stop(self, child: Child, say: Any) -> None:
         if child.role == "server":
-            from stream_rl.membership import leave_server
+            from stream_rl.run.servers import leave_server
 
             url = self.server_url(_index(child))
             transport, names = self._transport()

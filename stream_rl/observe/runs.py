@@ -76,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from stream_rl.status import table
+    from stream_rl.observe.status import table
 
     rows = list_runs(Path(args.runs_dir))
     if not rows:

@@ -30,7 +30,7 @@ from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.stage import StopFlag
 from stream_rl.kafka.topics import EVAL_RESULTS, TopicNames
 from stream_rl.kafka.transport import Transport
-from stream_rl.trackers import SINKS, Sink, open_sink
+from stream_rl.tools.trackers import SINKS, Sink, open_sink
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def sink_options(config: RunConfig, overrides: dict[str, Any]) -> dict[str, Any]
 
 def backfill(config: RunConfig, transport: Transport, sinks: list[Sink]) -> int:
     """Log everything the run's topics hold into `sinks`; returns the versions logged."""
-    from stream_rl.report import load_timeline
+    from stream_rl.observe.report import load_timeline
     from stream_rl.train.lineage import read_weight_versions
 
     names = TopicNames(run=config.run, prefix=config.kafka.prefix)
@@ -233,8 +233,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from stream_rl.errors import ConfigError
-    from stream_rl.export import run_config
     from stream_rl.kafka.client import KafkaTransport
+    from stream_rl.tools.export import run_config
 
     config = run_config(args.runs_dir, args.run)
     kinds = args.to or list(config.track.to)

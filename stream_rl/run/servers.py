@@ -111,7 +111,7 @@ async def _held(engine: str, url: str, api_key: str | None = None) -> int | None
 
 
 def _newest(transport: Transport, names: TopicNames) -> int | None:
-    from stream_rl.status import latest_version
+    from stream_rl.observe.status import latest_version
 
     wv = latest_version(transport, names)
     return None if wv is None else wv.version
@@ -119,7 +119,7 @@ def _newest(transport: Transport, names: TopicNames) -> int | None:
 
 def load(engine: str, url: str) -> float | None:
     """Requests running plus waiting on the server (its `/metrics`); None if unreadable."""
-    from stream_rl.status import scrape
+    from stream_rl.observe.status import scrape
 
     metrics = scrape(f"{url}/metrics", timeout=2.0)
     if metrics is None:
@@ -207,7 +207,7 @@ def leave_server(
 
 
 def listing(config: RunConfig) -> int:
-    from stream_rl.status import table
+    from stream_rl.observe.status import table
 
     transport, names = _transport(config)
     members = read_members(transport, names)

@@ -1,0 +1,1 @@
+"""Looking at runs: `status`, `runs`, `report` and the plots."""
