@@ -38,7 +38,7 @@ stays in runs/<run>/ (its probe samples in probe.jsonl).
 
     .venv/bin/python bench/pipeline_vs_conventional.py --config configs/long-cpu.yaml \
         --modes conventional,pipeline,pipeline-recompute,pipeline-no-inflight --repeats 2 \
-        --max-steps 10 --pin-trainer-cpu 1 --target 0.3 --max-wall 700 --name long-cpu   # README (~30 min)
+        --max-steps 10 --pin-trainer-cpu 1 --target 0.3 --max-wall 700 --name long-cpu   # docs/performance.md (~30 min)
 """
 
 from __future__ import annotations

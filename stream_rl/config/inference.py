@@ -43,7 +43,7 @@ class ServerConfig(Model):
 
 class VLLMConfig(Model):
     """How the launcher starts vLLM servers (`inference.engine: vllm`), and how the trainer talks
-    to them. README "Engines" lists the flags and why."""
+    to them. docs/engines.md "Engines" lists the flags and why."""
 
     python: str | None = None
     """Python of the vLLM environment (None: `.venv-vllm/bin/python` if it exists, from `make vllm`,

@@ -136,7 +136,7 @@ class KafkaConfig(Model):
     content). Run directories and logs hold the reference only; each process reads the value
     (as a `SecretStr`) when it opens its Kafka clients."""
     principals: KafkaPrincipals = Field(default_factory=KafkaPrincipals)
-    """Who each kind of process is on a cluster with ACLs (README "Running on a Kafka cluster")."""
+    """Who each kind of process is on a cluster with ACLs (docs/deploy.md "Running on a Kafka cluster")."""
 
     @field_validator("client_properties", "secret_properties", mode="before")
     @classmethod

@@ -3,7 +3,7 @@ long to wait for `/health`, and the check, before anything starts, that the engi
 
 - `builtin`: `stream-rl serve` (stream_rl/inference/server.py).
 - `vllm`: vLLM's OpenAI server module from the vLLM environment (`inference.vllm.python`), with
-  the flags in-flight RL needs (README "Engines" says why each is there):
+  the flags in-flight RL needs (docs/engines.md "Engines" says why each is there):
   `--logprobs-mode processed_logprobs` (logprobs of `log_softmax(logits / T)`, what the trainer
   recomputes; vLLM's default is before temperature), `--no-enable-prefix-caching` (a new
   request must not reuse prompt KV computed by older weights), `--enable-scale-out` (the
@@ -222,7 +222,7 @@ def _sglang_launch(config: RunConfig, port: str, seed: str) -> ServerLaunch:
     ]
     if config.in_flight_updates and inf.kv_policy == "keep":  # push.pause_policy() == "keep"
         # An in-place pause leaves the overlap scheduler's launched batch unprocessed, so its
-        # token would be counted under the new version (README "SGLang").
+        # token would be counted under the new version (docs/engines.md "SGLang").
         cmd.append("--disable-overlap-schedule")
     if config.actor.seeded_sampling:
         cmd.append("--enable-deterministic-inference")  # SGLang ignores request seeds without it

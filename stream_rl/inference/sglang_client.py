@@ -1,5 +1,5 @@
 """The client of an SGLang server (`python -m sglang.launch_server` with the flags the launcher
-passes, README "SGLang"). Written to SGLang 0.5.23's HTTP API as read from its wheel; UNVERIFIED
+passes, docs/engines.md "SGLang"). Written to SGLang 0.5.23's HTTP API as read from its wheel; UNVERIFIED
 (SGLang cannot run on our CPU machines). File:line references are inside that wheel.
 
 - Chat prompts: `POST /v1/chat/completions` (SGLang applies the model's chat template) with

@@ -1,4 +1,4 @@
-"""The client of a vLLM server (`vllm serve` with the flags the launcher passes, README "Engines").
+"""The client of a vLLM server (`vllm serve` with the flags the launcher passes, docs/engines.md "Engines").
 
 Each request takes two calls, both routes of vLLM's own API (`--enable-scale-out`):
 1. render: `POST /v1/chat/completions/render` (chat messages: vLLM applies the model's chat

@@ -47,7 +47,7 @@ BROKER_JIT = ["-XX:TieredStopAtLevel=1"]
 """The broker's JIT: C1 only. With the fixed heap, what still grew was the JIT's (Native Memory
 Tracking over 8.5 minutes of a soak: code cache +4.2 MB, C2's compiler arenas +5.5 MB; 0.9 MiB/min
 in all), as C2 went on recompiling hot methods for many minutes. C1 compiles each method once, soon
-after start, and has no C2 arenas; the broker's share of a run's CPU is in README "Memory over a
+after start, and has no C2 arenas; the broker's share of a run's CPU is in docs/performance.md "Memory over a
 run". `MALLOC_ARENA_MAX=2` (`_broker_env`) keeps glibc from holding per-thread arenas' freed memory."""
 READY_TIMEOUT_S = 60.0
 

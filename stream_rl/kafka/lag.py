@@ -1,6 +1,6 @@
 """Consumer lag: per group, topic and partition, end offset - committed offset, and the age of
 the oldest unconsumed record. Divided by samples per optimizer step, broker lag becomes an
-expected version lag (README "Monitoring").
+expected version lag (docs/operations.md "Monitoring").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`progression`: count down by a step, term by term: a long answer checked exactly.
 
-The long-sequence task (README "Performance": PipelineRL's regime). The user message is
+The long-sequence task (docs/performance.md "Performance": PipelineRL's regime). The user message is
 `count down by 1 from 117` and the ideal completion every term from the first down to the last
 that is not negative, zero-padded to `width` digits and separated by single spaces, then end of
 sequence: `117 116 115 ... 002 001 000`. Each term is a subtraction (with borrows) from the one

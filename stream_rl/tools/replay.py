@@ -1,4 +1,4 @@
-"""`stream-rl replay STAGE ...`: re-run one stage on a run's retained topics (README "How to replay").
+"""`stream-rl replay STAGE ...`: re-run one stage on a run's retained topics (docs/running.md "How to replay").
 
 - `replay trainer --run R`: re-train R from its `training-batches`, cut at the steps its
   `weight-versions` recorded, and compare every checksum (`stream_rl/train/replay.py`).

@@ -1,6 +1,6 @@
 """HTTP calls from the trainer to one inference server's `/weights/*` endpoints.
 
-Endpoints (the server contract; README "Weight sync"):
+Endpoints (the server contract; docs/engines.md "Weight sync"):
 - `POST /weights/init_group` `{master_addr, master_port, rank, world_size, backend}`: the server
   joins the weight-sync group; answers once joined.
 - `POST /weights/update` `{version, tensors: [{name, dtype, shape}], bucket_bytes}`: the server

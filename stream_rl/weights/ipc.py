@@ -6,7 +6,7 @@ travels alone, else a packed copy) it sends a CUDA IPC handle, and the server co
 out into its shadow buffers on its receive stream, then swaps them in at a decode-step boundary
 like any other update. No bytes travel over a socket.
 
-The protocol (README "Weight sync"; routes in `stream_rl/inference/ipc_routes.py`):
+The protocol (docs/engines.md "Weight sync"; routes in `stream_rl/inference/ipc_routes.py`):
 1. `POST /weights/init_ipc {device_uuid, torch_version}`: the server checks it runs on that very
    GPU (UUIDs are the same in every process whatever `CUDA_VISIBLE_DEVICES` numbering each sees)
    and the same torch (the handle fields below are torch's own `reduce_tensor` layout), else 409

@@ -14,7 +14,7 @@ volume) brought up, and the CPU demo's run read from the host through Kafka's pu
   as they were.
 
 Needs deploy/docker/install.sh's tools (`make test` runs it), root, `make setup`. Cold cache
-(no base image, no layers, no model): ~15-25 min; warm: see README "Docker".
+(no base image, no layers, no model): ~15-25 min; warm: see docs/deploy.md "Docker".
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def within_lag_bound(data: dict[str, Any], max_lag: int) -> None:
 def over_the_bound_only_as_reported(data: dict[str, Any], max_lag: int, at_most: float) -> None:
     """Under a partition leader's failover the admission bound's gap widens: the groups in the
     partition without a leader wait while the other partitions' flow and train, so they can be
-    overtaken by more than one step (README "The stages", actor). What holds then: at most
+    overtaken by more than one step (docs/concepts.md "The stages", actor). What holds then: at most
     `at_most` of the trained samples beyond `max_lag + 1`, and every sample beyond `max_lag`
     reported by the trainer (`samples_over_lag_bound` in its versions' metrics: never silently)."""
     lags = _lags(data)

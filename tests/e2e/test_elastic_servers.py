@@ -1,4 +1,4 @@
-"""Servers and consumers added to and removed from a run that goes on (README "Scaling during a
+"""Servers and consumers added to and removed from a run that goes on (docs/operations.md "Scaling during a
 run", docs/servers-protocol.md), as a user does it, in one launcher run (one launched server, two
 actors, one verifier) that the test stops once everything below happened:
 

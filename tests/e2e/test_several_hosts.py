@@ -1,5 +1,5 @@
 """Several hosts on this machine: three network namespaces joined by veth pairs, a short pipeline
-across them, every stage started by hand as on separate machines (README "Several hosts").
+across them, every stage started by hand as on separate machines (docs/deploy.md "Several hosts").
 
     host A (10.231.1.1, 10.231.3.1): broker, loader, trainer
     host B (10.231.1.2): inference server, actor          A <-veth-> B
@@ -49,7 +49,7 @@ SCALE_AT, STOP_AT = 1, 5
 """At version SCALE_AT a second actor (in B) and a second verifier (in C) join their groups (the
 trainer paused until they hold partitions: `_join`); at
 STOP_AT the first of each is stopped (SIGTERM to its process group): static members, they do not
-leave, so their partitions pass to the others when their session expires (README "Scaling during
+leave, so their partitions pass to the others when their session expires (docs/operations.md "Scaling during
 a run"); the trainer's log times both."""
 KAFKA_PORT, SASL_PORT, SERVER_PORT, SYNC_PORT = 9092, 9094, 8100, 29500
 """KAFKA_PORT: the broker's own PLAINTEXT listener, on A's loopback (its readiness probe and the

@@ -1,7 +1,7 @@
 """SGLang 0.5.23 for real: our client and sender against a running SGLang server (GPU only; never
 run in CI, UNVERIFIED until someone runs it).
 
-Start SGLang on one GPU with the launcher's flags (README "SGLang"), the trainer on another:
+Start SGLang on one GPU with the launcher's flags (docs/engines.md "SGLang"), the trainer on another:
 
     CUDA_VISIBLE_DEVICES=0 python -m sglang.launch_server --model-path Qwen/Qwen2.5-0.5B-Instruct \\
         --port 30000 --weight-version 0 --disable-radix-cache --disable-overlap-schedule \\

@@ -30,7 +30,7 @@ FP = bytes.fromhex(fingerprint(to_parsing_canonical_form(RAW), "CRC-64-AVRO"))
 
 
 def single_object(record: dict) -> bytes:  # type: ignore[type-arg]
-    """README "Contracts on the wire": C3 01, the 8-byte fingerprint, the Avro body."""
+    """docs/concepts.md "Contracts on the wire": C3 01, the 8-byte fingerprint, the Avro body."""
     body = io.BytesIO()
     schemaless_writer(body, SCHEMA, record)
     return b"\xc3\x01" + FP + body.getvalue()

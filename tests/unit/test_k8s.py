@@ -1,4 +1,4 @@
-"""deploy/k8s/ checked offline (it has never been applied to a cluster: README "Kubernetes").
+"""deploy/k8s/ checked offline (it has never been applied to a cluster: docs/deploy.md "Kubernetes").
 
 Every object parses; every built-in kind validates strictly against the Kubernetes API's JSON
 schemas (kubernetes-validate: unknown fields, wrong types and missing required fields fail); the

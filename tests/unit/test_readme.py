@@ -1,4 +1,5 @@
-"""The README works: paths it names exist, `make` targets and `stream-rl` commands are real."""
+"""The README and the docs work: paths they name exist, `make` targets and `stream-rl` commands
+are real; the README stays a front door (the docs site's strict build checks their links)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ def _tracked() -> set[str]:
 
 TRACKED = _tracked()
 README = (REPO / "README.md").read_text()
+# The README and every page of the docs site (docs/index.md is the README, see docs/hooks.py).
+DOCS = {"README.md": README} | {
+    f"docs/{p.name}": p.read_text() for p in sorted((REPO / "docs").glob("*.md")) if p.name != "index.md"
+}
+TEXT = "\n".join(DOCS.values())
 PATH_RE = re.compile(
     r"`((?:\.{0,2}/)?[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.*<>-]*)+|[A-Za-z0-9_-]+\.(?:py|yaml|yml|md|toml|json|avsc|xml|png))`"
 )
@@ -39,7 +45,7 @@ WRITTEN = {"summary.json", "config.json", "generation_config.json", ".whl/"}
 
 def named_paths() -> list[str]:
     out = []
-    for m in PATH_RE.finditer(README):
+    for m in PATH_RE.finditer(TEXT):
         path = m.group(1)
         if any(path.startswith(g) for g in GENERATED) or path in WRITTEN or "<" in path or "*" in path:
             continue
@@ -59,19 +65,31 @@ def test_readme_opens_with_the_two_commands() -> None:
 @pytest.mark.parametrize("path", named_paths())
 def test_named_paths_exist(path: str) -> None:
     assert (REPO / path.rstrip("/")).exists() or list(REPO.rglob(path)), (
-        f"README names {path}, which does not exist"
+        f"the docs name {path}, which does not exist"
     )
 
 
 def test_make_targets_exist() -> None:
     makefile = (REPO / "Makefile").read_text()
-    for target in set(re.findall(r"\bmake ([a-z][a-z-]*)", README)):
+    for target in set(re.findall(r"(?:^|[`$] ?)make ([a-z][a-z-]*)", TEXT, re.M)):
         assert re.search(rf"^{target}:", makefile, re.M), (
-            f"README says `make {target}`; the Makefile has no such target"
+            f"the docs say `make {target}`; the Makefile has no such target"
         )
 
 
 def test_cli_commands_exist() -> None:
     known = {name for name, _, _ in COMMANDS}
-    for cmd in set(re.findall(r"\bstream-rl ([a-z][a-z-]*)", README)):
-        assert cmd in known, f"README uses `stream-rl {cmd}`, which is not a command"
+    for name, text in DOCS.items():
+        for cmd in set(re.findall(r"\bstream-rl ([a-z][a-z-]*)", text)):
+            assert cmd in known, f"{name} uses `stream-rl {cmd}`, which is not a command"
+
+
+def test_readme_is_a_front_door() -> None:
+    """What it is, the picture, the two commands, the table of contents: at most 250 lines; the
+    rest lives in docs/, each page in the site's nav."""
+    assert len(README.splitlines()) <= 250
+    nav = (REPO / "mkdocs.yml").read_text()
+    for name in DOCS:
+        if name.startswith("docs/"):
+            assert name.removeprefix("docs/") in nav, f"{name} is not in mkdocs.yml's nav"
+            assert f"({name})" in README or f"({name}#" in README, f"the README does not link {name}"

@@ -67,6 +67,6 @@ def test_readme_table_is_the_rendered_topology() -> None:
 
     from stream_rl.kafka.topics import topology_markdown
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "concepts.md").read_text()
     block = readme.split("<!-- topology:begin -->\n")[1].split("\n<!-- topology:end -->")[0]
-    assert block == topology_markdown(), "README topic table is stale: paste `stream-rl topics table`"
+    assert block == topology_markdown(), "docs/concepts.md's topic table is stale: paste `stream-rl topics table`"

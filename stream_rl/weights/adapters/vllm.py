@@ -1,6 +1,6 @@
 """vLLM adapter: the trainer's `WeightPusher` over vLLM's own weight-transfer API.
 
-Server (the launcher starts it so; README "Engines"): `VLLM_SERVER_DEV_MODE=1 python -m
+Server (the launcher starts it so; docs/engines.md "Engines"): `VLLM_SERVER_DEV_MODE=1 python -m
 vllm.entrypoints.openai.api_server --model DIR --weight-transfer-config '{"backend": B}'
 --logprobs-mode processed_logprobs --no-enable-prefix-caching --enable-scale-out --middleware
 stream_rl.weights.vllm_guard.guard ...`, with B one of:
