@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 
 from stream_rl.config.base import DEFAULT_PREFIX, Model
 from stream_rl.errors import ConfigError
@@ -100,6 +100,60 @@ class KafkaPrincipals(Model):
         return value
 
 
+def _flat_properties(value: Any) -> Any:
+    if not isinstance(value, dict):
+        return value
+    flat = _flatten(value)
+    # librdkafka takes strings; YAML gives true/30000: its spelling of them.
+    return {
+        k: (str(v).lower() if isinstance(v, bool) else str(v) if isinstance(v, int | float) else v)
+        for k, v in flat.items()
+    }
+
+
+def check_properties(where: str, client: dict[str, str], secret: dict[str, str]) -> None:
+    """The rules of `client_properties` / `secret_properties` (ValueError naming `where`)."""
+    for field, props in (("client_properties", client), ("secret_properties", secret)):
+        for key in props:
+            if key in RESERVED_KAFKA_PROPERTIES:
+                raise ValueError(f"{where}.{field}: {key} is not settable ({RESERVED_KAFKA_PROPERTIES[key]})")
+    for key in client:
+        if _is_secret_key(key):
+            raise ValueError(
+                f"{where}.client_properties: {key} holds a secret: put it in {where}.secret_properties "
+                "as ${ENV_VAR} or file:PATH"
+            )
+        if key in secret:
+            raise ValueError(f"{where}: {key} is in both client_properties and secret_properties")
+    for key, ref in secret.items():
+        if not ((ref.startswith("${") and ref.endswith("}") and len(ref) > 3) or ref.startswith("file:")):
+            raise ValueError(
+                f"{where}.secret_properties: {key}: give a reference, ${{ENV_VAR}} or file:PATH, "
+                "never the secret itself (configs are copied into run directories)"
+            )
+
+
+class KafkaCredentials(Model):
+    """One kind of process's own client identity: properties laid over `kafka.client_properties` /
+    `kafka.secret_properties` for that kind only (its `sasl.username` and `sasl.password`, or its
+    `ssl.certificate.location` and `ssl.key.location`). The launcher writes into each stage's config
+    only that stage's entry."""
+
+    client_properties: dict[str, str] = Field(default_factory=dict)
+    """Non-secret properties of this kind's clients, e.g. `sasl.username: demo-actor`."""
+    secret_properties: dict[str, str] = Field(default_factory=dict)
+    """Its secrets by reference, e.g. `sasl.password: file:/path/actor.password` (0600)."""
+
+    @field_validator("client_properties", "secret_properties", mode="before")
+    @classmethod
+    def _flat(cls, value: Any) -> Any:
+        return _flat_properties(value)
+
+
+CREDENTIAL_ROLES = tuple(KafkaPrincipals.model_fields)
+"""The kinds of process `kafka.credentials` may name (those of `kafka.principals`)."""
+
+
 class KafkaConfig(Model):
     bootstrap: str | None = None
     """Bootstrap servers (`host:port,...`). None: the launcher starts (or reuses) the local broker;
@@ -137,51 +191,70 @@ class KafkaConfig(Model):
     (as a `SecretStr`) when it opens its Kafka clients."""
     principals: KafkaPrincipals = Field(default_factory=KafkaPrincipals)
     """Who each kind of process is on a cluster with ACLs (docs/deploy.md "Running on a Kafka cluster")."""
+    credentials: dict[str, KafkaCredentials] = Field(default_factory=dict)
+    """Each kind of process's own credentials (keys as in `principals`): laid over
+    `client_properties` / `secret_properties` for that kind only; a stage's config written by the
+    launcher holds its own entry only (docs/security.md). Commands that are no stage (`status`,
+    `lag`, `topics`, `acls`, ...) use `operator`'s, `stream-rl run` itself `launcher`'s."""
+    _acting_as: str | None = PrivateAttr(None)
 
     @field_validator("client_properties", "secret_properties", mode="before")
     @classmethod
     def _flat(cls, value: Any) -> Any:
-        if not isinstance(value, dict):
-            return value
-        flat = _flatten(value)
-        # librdkafka takes strings; YAML gives true/30000: its spelling of them.
-        return {
-            k: (str(v).lower() if isinstance(v, bool) else str(v) if isinstance(v, int | float) else v)
-            for k, v in flat.items()
-        }
+        return _flat_properties(value)
 
     @model_validator(mode="after")
     def _check_properties(self) -> KafkaConfig:
-        for field, props in (
-            ("client_properties", self.client_properties),
-            ("secret_properties", self.secret_properties),
-        ):
-            for key in props:
-                if key in RESERVED_KAFKA_PROPERTIES:
-                    raise ValueError(
-                        f"kafka.{field}: {key} is not settable ({RESERVED_KAFKA_PROPERTIES[key]})"
-                    )
-        for key in self.client_properties:
-            if _is_secret_key(key):
+        check_properties("kafka", self.client_properties, self.secret_properties)
+        for role, creds in self.credentials.items():
+            where = f"kafka.credentials.{role}"
+            if role not in CREDENTIAL_ROLES:
+                raise ValueError(f"{where}: no such kind of process (one of {', '.join(CREDENTIAL_ROLES)})")
+            check_properties(where, creds.client_properties, creds.secret_properties)
+            user, principal = creds.client_properties.get("sasl.username"), getattr(self.principals, role)
+            if user is not None and principal is not None and principal != f"User:{user}":
                 raise ValueError(
-                    f"kafka.client_properties: {key} holds a secret: put it in kafka.secret_properties "
-                    "as ${ENV_VAR} or file:PATH"
-                )
-            if key in self.secret_properties:
-                raise ValueError(f"kafka: {key} is in both client_properties and secret_properties")
-        for key, ref in self.secret_properties.items():
-            if not ((ref.startswith("${") and ref.endswith("}") and len(ref) > 3) or ref.startswith("file:")):
-                raise ValueError(
-                    f"kafka.secret_properties: {key}: give a reference, ${{ENV_VAR}} or file:PATH, "
-                    "never the secret itself (configs are copied into run directories)"
+                    f"{where}: sasl.username {user} is not kafka.principals.{role} ({principal})"
                 )
         return self
 
+    def for_role(self, role: str) -> KafkaConfig:
+        """This config as the processes of kind `role` see it: its own `credentials` entry laid over
+        the shared properties, every other entry gone. ConfigError when credentials are configured
+        but none for `role`."""
+        if not self.credentials:
+            return self
+        creds = self.credentials.get(role)
+        if creds is None:
+            raise ConfigError(
+                f"kafka.credentials has no entry for {role} (with credentials configured, every kind "
+                "of process that connects needs its own)"
+            )
+        own = {**creds.client_properties, **creds.secret_properties}
+        client = {k: v for k, v in self.client_properties.items() if k not in own}
+        secret = {k: v for k, v in self.secret_properties.items() if k not in own}
+        return self.model_copy(
+            update={
+                "client_properties": {**client, **creds.client_properties},
+                "secret_properties": {**secret, **creds.secret_properties},
+                "credentials": {},
+            }
+        )
+
+    def acting_as(self, role: str) -> KafkaConfig:
+        """A copy whose own clients use `role`'s credentials, keeping everyone's (the launcher:
+        it writes each stage's own into that stage's config)."""
+        copy = self.model_copy()
+        copy._acting_as = role
+        return copy
+
     def librdkafka_properties(self) -> dict[str, str | SecretStr]:
         """`client_properties` plus the secrets, read now from the environment or their files
-        (ConfigError naming the key when one is missing)."""
-        props: dict[str, str | SecretStr] = dict(self.client_properties)
-        for key, ref in self.secret_properties.items():
+        (ConfigError naming the key when one is missing); with `credentials`, those of the kind of
+        process this one acts as (`acting_as`; default the operator)."""
+        own = self.for_role(self._acting_as or "operator")
+        props: dict[str, str | SecretStr] = dict(own.client_properties)
+        for key, ref in own.secret_properties.items():
             props[key] = resolve_secret(ref, f"kafka.secret_properties.{key}")
         return props
 

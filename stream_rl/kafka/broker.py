@@ -27,7 +27,7 @@ from pathlib import Path
 
 from stream_rl.errors import BrokerError
 from stream_rl.kafka.class_archive import ClassArchive
-from stream_rl.kafka.listener import SaslSslListener
+from stream_rl.kafka.listener import Listener, SaslSslListener
 
 KAFKA_VERSION = "4.3.1"
 DEPLOY_DIR = Path(__file__).resolve().parents[2] / "deploy" / "kafka"
@@ -169,13 +169,18 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def _answers(bootstrap: str, timeout: float = 2.0) -> bool:
+def _answers(bootstrap: str, timeout: float = 2.0, properties: dict[str, str] | None = None) -> bool:
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
 
     # log_level 0: connection-refused noise is expected while the broker starts.
     admin = AdminClient(
-        {"bootstrap.servers": bootstrap, "socket.connection.setup.timeout.ms": 2000, "log_level": 0}
+        {
+            "bootstrap.servers": bootstrap,
+            "socket.connection.setup.timeout.ms": 2000,
+            "log_level": 0,
+            **(properties or {}),
+        }
     )
     try:
         return bool(admin.list_topics(timeout=timeout).brokers)
@@ -236,7 +241,7 @@ class LocalBroker:
         port: int = 9092,
         host: str = "127.0.0.1",
         version: str = KAFKA_VERSION,
-        listener: SaslSslListener | None = None,
+        listener: Listener | None = None,
         quorum: Quorum | None = None,
     ) -> None:
         self.data_dir = Path(data_dir).resolve()
@@ -244,7 +249,8 @@ class LocalBroker:
         self.host = host
         self.version = version
         self.listener = listener
-        """A SASL_SSL client listener besides the PLAINTEXT one (`stream_rl/kafka/listener.py`)."""
+        """A SASL_SSL client listener besides the PLAINTEXT one (`stream_rl/kafka/listener.py`), or
+        the secured broker's listeners, which replace it (`stream_rl/kafka/secure.py`)."""
         self.quorum = quorum
         """Set for a node of a multi-node cluster (`LocalCluster`); None: a standalone broker."""
 
@@ -281,8 +287,10 @@ class LocalBroker:
             controller_port=controller_port,
             log_dir=self.data_dir / "kraft-logs",
         )
-        if self.listener is not None:
+        if isinstance(self.listener, SaslSslListener):
             props = _with_listener(props, self.listener, self.host, self.port, controller_port)
+        elif self.listener is not None:
+            props = _override(props, self.listener.overrides(self.host, self.port, controller_port))
         if self.quorum is not None:
             props = _override(props, self.quorum.overrides())
         path = self.data_dir / "server.properties"
@@ -290,6 +298,11 @@ class LocalBroker:
         if self.listener is not None:
             path.chmod(0o600)  # it holds the SASL users' passwords and the keystore's
         return path
+
+    def _probe_properties(self) -> dict[str, str]:
+        """What the readiness probe connects with: nothing on the PLAINTEXT port, the operator's
+        credentials on a secured broker's."""
+        return self.listener.probe_properties() if self.listener is not None else {}
 
     def _java(self) -> list[str]:
         java = _require_tool("java", "install a JDK 17+ (e.g. `apt-get install openjdk-17-jdk-headless`)")
@@ -305,7 +318,7 @@ class LocalBroker:
         a quorum of its peers runs)."""
         st = self.running()
         if st is not None:
-            if _answers(st.bootstrap):
+            if _answers(st.bootstrap, properties=self._probe_properties()):
                 if not quiet:
                     print(f"Kafka already running (pid {st.pid}) at {st.bootstrap}")
                 return st
@@ -317,10 +330,9 @@ class LocalBroker:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if not port_is_free(self.port, self.host):
             raise BrokerError(f"port {self.port} is taken by another process; choose another with --port")
-        if self.listener is not None and not port_is_free(self.listener.port, self.host):
-            raise BrokerError(
-                f"port {self.listener.port} (the SASL_SSL listener's) is taken by another process"
-            )
+        for port, what in self.listener.extra_ports() if self.listener is not None else ():
+            if not port_is_free(port, self.host):
+                raise BrokerError(f"port {port} (the {what} listener's) is taken by another process")
         old = self.state()
         controller_port = (
             self.quorum.controller_port if self.quorum else old.controller_port if old else free_port()
@@ -347,6 +359,7 @@ class LocalBroker:
                     *quorum,
                     # `=`: a base64 id may start with "-", which argparse4j would take for an option.
                     f"--cluster-id={cluster_id}",
+                    *(self.listener.format_args() if self.listener is not None else []),
                     "-c",
                     str(config),
                 ],
@@ -370,7 +383,7 @@ class LocalBroker:
             port=self.port,
             controller_port=controller_port,
             # With a SASL_SSL listener on `host`, the PLAINTEXT one (the broker's own) is on loopback.
-            host=self.host if self.listener is None else "127.0.0.1",
+            host="127.0.0.1" if isinstance(self.listener, SaslSslListener) else self.host,
             version=self.version,
             started_at=time.time(),
             class_archive=dump,
@@ -379,7 +392,7 @@ class LocalBroker:
         if not wait:
             return st
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not _answers(st.bootstrap, timeout=1.0):
+        while not _answers(st.bootstrap, timeout=1.0, properties=self._probe_properties()):
             if proc.poll() is not None:
                 raise BrokerError(
                     f"Kafka exited with code {proc.returncode} while starting; "
@@ -428,7 +441,9 @@ class LocalBroker:
             return f"no broker has run from {self.data_dir}"
         if not pid_alive(st.pid):
             return f"stopped (last ran as pid {st.pid} at {st.bootstrap}); data in {self.data_dir}"
-        answering = "answering" if _answers(st.bootstrap) else "NOT answering"
+        answering = (
+            "answering" if _answers(st.bootstrap, properties=self._probe_properties()) else "NOT answering"
+        )
         return f"running: pid {st.pid} at {st.bootstrap}, {answering}; Kafka {st.version}; data in {self.data_dir}"
 
 

@@ -8,6 +8,7 @@ from stream_rl.cli import add_common
 from stream_rl.config import DEFAULT_PREFIX, KafkaConfig, load_config
 from stream_rl.errors import StreamRLError
 from stream_rl.kafka.broker import KAFKA_VERSION, LocalBroker, fetch_jars, resolve_bootstrap
+from stream_rl.kafka.secure import ENROLLED as ENROLLED_ROLES
 from stream_rl.kafka.topics import TopicNames, apply_topics, publish_schemas
 
 
@@ -28,12 +29,31 @@ def add_kafka_arguments(p: argparse.ArgumentParser) -> None:
         help="up: a local KRaft cluster of N nodes on ports PORT..PORT+N-1 (default 1; down and "
         "status find a cluster by its data dir)",
     )
+    p.add_argument(
+        "--secure",
+        action="store_true",
+        help="up: a broker that authenticates (SCRAM-SHA-512 over TLS, mutual TLS) and authorizes "
+        "with ACLs, one user per kind of process of the run (docs/security.md)",
+    )
+    p.add_argument(
+        "--run", default=None, help="up --secure: the run to enroll (default: --config's run, else demo)"
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        help="up --secure: a run config; its run name and prefix are enrolled and a copy with the "
+        "secure kafka: section is written",
+    )
     p.add_argument("--quiet", action="store_true")
 
 
 def main_kafka(args: argparse.Namespace) -> int:
     from stream_rl.kafka.cluster import LocalCluster, cluster_layout
 
+    if args.secure or args.run or args.config:
+        if args.action != "up" or (args.brokers or 1) > 1:
+            raise StreamRLError("--secure/--run/--config: only for `kafka up` of one broker")
+        return _up_secure(args)
     layout = cluster_layout(args.data_dir)
     brokers = args.brokers or (len(layout.ports) if layout else 1)
     if brokers < 1:
@@ -55,7 +75,11 @@ def main_kafka(args: argparse.Namespace) -> int:
         raise StreamRLError(
             f"{args.data_dir} holds a {len(layout.ports)}-broker cluster: pass --brokers {len(layout.ports)}"
         )
-    broker = LocalBroker(args.data_dir, port=args.port, host=args.host or "127.0.0.1")
+    from stream_rl.kafka.secure import secure_listeners
+
+    secured = secure_listeners(args.data_dir)  # a broker made by `up --secure`: status probes as the operator
+    port = secured.ports.port if secured else args.port
+    broker = LocalBroker(args.data_dir, port=port, host=args.host or "127.0.0.1", listener=secured)
     if args.action == "fetch":
         lib = fetch_jars(quiet=args.quiet)
         if not args.quiet:
@@ -67,6 +91,44 @@ def main_kafka(args: argparse.Namespace) -> int:
         broker.down(quiet=args.quiet)
     else:
         print(broker.status())
+    return 0
+
+
+def _up_secure(args: argparse.Namespace) -> int:
+    """`kafka up --secure`: start (or reuse) the secured broker, enroll the run, print its files."""
+    from pathlib import Path
+
+    from stream_rl.kafka.broker import free_port
+    from stream_rl.kafka.secure import SecureListeners, SecurePorts, enroll, secure_dir, secure_listeners
+
+    if not args.secure:
+        raise StreamRLError("--run/--config: only with `kafka up --secure`")
+    cfg = load_config(args.config) if args.config else None
+    run = args.run or (cfg.run if cfg is not None else "demo")
+    prefix = cfg.kafka.prefix if cfg is not None else DEFAULT_PREFIX
+    listeners = secure_listeners(args.data_dir)
+    if listeners is None:
+        if LocalBroker(args.data_dir).state() is not None:
+            raise StreamRLError(
+                f"{args.data_dir} holds a broker made without --secure: choose another --data-dir"
+            )
+        host = args.host or "127.0.0.1"
+        ports = SecurePorts(host=host, port=args.port, mtls_port=args.port + 1, internal_port=free_port())
+        listeners = SecureListeners(secure_dir(args.data_dir), ports)
+    listeners.prepare()
+    broker = LocalBroker(
+        args.data_dir, port=listeners.ports.port, host=listeners.ports.host, listener=listeners
+    )
+    broker.up(quiet=args.quiet)
+    enrolled = enroll(listeners, run, prefix, Path(args.config) if args.config else None)
+    print(
+        f"secured Kafka at {listeners.bootstrap} (SASL_SSL, SCRAM-SHA-512) and {listeners.mtls_bootstrap} (mutual TLS)"
+    )
+    print(f"run {run} enrolled: {len(ENROLLED_ROLES)} users, {enrolled.acls_created} ACL bindings created")
+    print(f"kafka config (SCRAM): {enrolled.kafka_yaml}")
+    print(f"kafka config (mutual TLS): {enrolled.mtls_yaml}")
+    if enrolled.run_yaml is not None:
+        print(f"run config: {enrolled.run_yaml}")
     return 0
 
 

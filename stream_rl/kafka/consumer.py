@@ -18,6 +18,8 @@ from stream_rl.kafka.librdkafka import (
     build_client,
     client_conf,
     fail,
+    principal,
+    refusal,
 )
 from stream_rl.kafka.outage import DEFAULT_OUTAGE_S, retry
 from stream_rl.kafka.transport import Message, RebalanceCallback, TopicPartition
@@ -74,6 +76,8 @@ class KafkaConsumer:
         conf.update(extra or {})  # static membership: ours, it carries the stage's identity
         self._c = build_client(ck.Consumer, conf)
         self._has_group = group_id is not None
+        self._group = group_id
+        self._who = principal(properties)
 
     def subscribe(
         self,
@@ -114,6 +118,11 @@ class KafkaConsumer:
                     continue
                 if err.code() in (ck.KafkaError.UNKNOWN_TOPIC_OR_PART, ck.KafkaError._UNKNOWN_TOPIC):
                     raise KafkaError(f"{err.str()} (run `stream-rl topics apply --run <run>` first)")
+                if err.code() == ck.KafkaError.TOPIC_AUTHORIZATION_FAILED:
+                    raise refusal(err, self._who, "READ", m.topic() or "")
+                if err.code() == ck.KafkaError.GROUP_AUTHORIZATION_FAILED and self._has_group:
+                    # (an assign-only reader's `.nogroup` lookup is refused too, harmlessly: acls.py)
+                    raise refusal(err, self._who, "READ", self._group or "")
                 if err.fatal():
                     raise KafkaError(f"consume: {err.str()}")
                 continue  # transient broker/network errors: librdkafka retries on its own

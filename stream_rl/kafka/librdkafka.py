@@ -56,6 +56,53 @@ def fail(what: str, exc: ck.KafkaException) -> KafkaError:
     return KafkaError(f"{what}: {exc.args[0] if exc.args else exc}")
 
 
+REFUSED_RESOURCE = {
+    ck.KafkaError.TOPIC_AUTHORIZATION_FAILED: "topic",
+    ck.KafkaError.GROUP_AUTHORIZATION_FAILED: "group",
+    ck.KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED: "transactional id",
+    ck.KafkaError.CLUSTER_AUTHORIZATION_FAILED: "cluster",
+}
+"""The broker's authorization refusals, by the kind of resource refused."""
+
+
+def principal(properties: Properties | None) -> str:
+    """Who a client with `properties` is to the broker, as far as the client can tell: `User:<sasl
+    username>`, the subject of its TLS certificate, or `User:ANONYMOUS`."""
+    props = properties or {}
+    user = props.get("sasl.username")
+    if isinstance(user, str) and user:
+        return f"User:{user}"
+    cert = props.get("ssl.certificate.location")
+    if isinstance(cert, str) and cert:
+        import subprocess
+
+        try:
+            out = subprocess.run(
+                ["openssl", "x509", "-noout", "-subject", "-nameopt", "RFC2253", "-in", cert],
+                capture_output=True, text=True, timeout=5,
+            ).stdout.strip()  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        subject = out.removeprefix("subject=").strip()
+        cn = subject[3:] if subject.startswith("CN=") and "," not in subject else ""
+        return f"User:{cn}" if cn else f"the holder of the certificate {cert}"
+    return "User:ANONYMOUS"
+
+
+def is_refusal(err: object) -> bool:
+    return isinstance(err, ck.KafkaError) and err.code() in REFUSED_RESOURCE
+
+
+def refusal(err: ck.KafkaError, who: str, operation: str, name: str = "") -> KafkaError:
+    """The broker's authorization refusal as one line naming the principal and the right it lacks."""
+    kind = REFUSED_RESOURCE[err.code()]
+    target = "the cluster" if kind == "cluster" else f"{kind} {name}"
+    return KafkaError(
+        f"Kafka refused {who} {operation} on {target} ({err.name()}): that principal has no such "
+        "ACL (`stream-rl acls plan` lists each principal's rights)"
+    )
+
+
 BOUNDED_GRACE_S = 5.0
 """How long past its own timeout a librdkafka call is waited for before it is abandoned (a call
 that honours its timeout returns at it)."""

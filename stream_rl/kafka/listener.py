@@ -10,6 +10,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
+
+
+class Listener(Protocol):
+    """The client listeners a `LocalBroker` is started with besides (or instead of) its PLAINTEXT one."""
+
+    def extra_ports(self) -> list[tuple[int, str]]:
+        """(port, listener name) of each port it listens on besides the broker's own `port`."""
+        ...
+
+    def overrides(self, host: str, port: int, controller_port: int) -> dict[str, str]:
+        """The broker's properties replacing the template's (an empty value drops a key)."""
+        ...
+
+    def format_args(self) -> list[str]:
+        """Extra arguments of `kafka-storage format` (e.g. SCRAM users)."""
+        ...
+
+    def probe_properties(self) -> dict[str, str]:
+        """The client properties of the readiness probe on the broker's `port`."""
+        ...
 
 
 def _jaas_quote(value: str) -> str:
@@ -34,6 +55,20 @@ class SaslSslListener:
     with ACLs (KRaft's `StandardAuthorizer`, nothing allowed without one); these users are super
     users, and so is the broker itself on its PLAINTEXT and CONTROLLER listeners (`User:ANONYMOUS`,
     hence any client on the loopback PLAINTEXT port too)."""
+
+    def extra_ports(self) -> list[tuple[int, str]]:
+        return [(self.port, "SASL_SSL")]
+
+    def overrides(self, host: str, port: int, controller_port: int) -> dict[str, str]:
+        raise NotImplementedError(
+            "LocalBroker adds this listener to its PLAINTEXT one (broker._with_listener)"
+        )
+
+    def format_args(self) -> list[str]:
+        return []
+
+    def probe_properties(self) -> dict[str, str]:
+        return {}  # the probe goes to the PLAINTEXT port
 
     def server_properties(self, host: str) -> dict[str, str]:
         """The broker's properties for this listener, on top of the PLAINTEXT/CONTROLLER ones."""

@@ -22,6 +22,9 @@ from stream_rl.kafka.librdkafka import (
     build_client,
     client_conf,
     fail,
+    is_refusal,
+    principal,
+    refusal,
 )
 from stream_rl.kafka.outage import DEFAULT_OUTAGE_S, Backoff, retry, transient
 from stream_rl.kafka.transport import Headers, TopicPartition
@@ -107,11 +110,16 @@ class KafkaProducer:
         conf.update(client_conf(properties))  # the user's (security, tuning) over our defaults
         conf.update(extra or {})
         self._p = build_client(ck.Producer, conf)
+        self._who = principal(properties)
+        self._transactional_id = transactional_id
         self._errors: list[str] = []
         self._wedged = False
 
     def _on_delivery(self, err: ck.KafkaError | None, msg: ck.Message) -> None:
-        if err is not None:
+        if err is not None and is_refusal(err):
+            op = "IDEMPOTENT_WRITE" if err.code() == ck.KafkaError.CLUSTER_AUTHORIZATION_FAILED else "WRITE"
+            self._errors.append(str(refusal(err, self._who, op, msg.topic() or "")))
+        elif err is not None:
             self._errors.append(f"{msg.topic()}: {err.str()}")
 
     def produce(
@@ -186,6 +194,9 @@ class KafkaProducer:
         try:
             self._p.init_transactions(timeout)
         except ck.KafkaException as exc:
+            err = exc.args[0] if exc.args else None
+            if is_refusal(err):
+                raise refusal(err, self._who, "WRITE", self._transactional_id or "") from exc
             raise fail("init_transactions", exc) from exc
 
     def begin_transaction(self) -> None:
