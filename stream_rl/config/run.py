@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from stream_rl.config.autoscale import autoscale_problem
 from stream_rl.config.base import Model
 from stream_rl.config.inference import InferenceConfig
 from stream_rl.config.kafka import KafkaConfig
@@ -99,6 +100,9 @@ class RunConfig(Model):
             raise ValueError(
                 "inference.vllm.weight_transfer: nccl needs trainer.device: cuda (use stream_rl_gloo on CPU)"
             )
+        problem = autoscale_problem(self)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @property

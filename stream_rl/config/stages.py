@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from stream_rl.config.autoscale import AutoscaleConfig
 from stream_rl.config.base import Model
 
 
@@ -319,3 +320,6 @@ class LauncherConfig(Model):
     transformers once (`stream_rl/run/forkserver.py`), not started as programs that each import them
     (~6.5 s of CPU per trainer or server on 2 cores). `off`: every child is its own program (as on
     GPU runs always; `ps` then shows each child's own command line)."""
+    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
+    """Resize servers and stages from lag and occupancy during the run (off by default;
+    `stream_rl/config/autoscale.py`, docs/autoscaling.md)."""

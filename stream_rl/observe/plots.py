@@ -151,7 +151,49 @@ def panels(timeline: list[dict[str, Any]]) -> dict[str, Panel]:
     if ts:
         thr.lines.append(Line("trainer samples", ts, rates, "-", 0.7))
     out["throughput"] = thr
+    scaled = autoscale_panel(timeline)
+    if scaled is not None:
+        out["autoscale"] = scaled
     return out
+
+
+def autoscale_panel(timeline: list[dict[str, Any]]) -> Panel | None:
+    """Replicas per stage over time (`launcher.autoscale`'s `replicas` records), and a marker per
+    decision labelled with the signal that moved it; None for a run that does not autoscale."""
+    samples = [r for r in timeline if r.get("kind") == "replicas"]
+    if not samples:
+        return None
+    panel = Panel("autoscale: replicas per stage", "wall time (s)", "replicas", legend_loc="upper left")
+    decisions = [r for r in timeline if r.get("kind") == "autoscale" and not r.get("error")]
+    roles = sorted({k for r in samples for k in r["replicas"]})
+    for role in roles:
+        if (
+            not any(d["role"] == role for d in decisions)
+            and len({r["replicas"].get(role) for r in samples}) < 2
+        ):
+            continue  # not resized: no line
+        panel.lines.append(
+            Line(
+                role,
+                [float(r["t"]) for r in samples],
+                [float(r["replicas"].get(role, 0)) for r in samples],
+                "-",
+            )
+        )
+    groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for d in decisions:
+        up = 1 if d["after"] > d["before"] else -1
+        groups.setdefault((d["role"], up, d["signal"]), []).append(d)
+    for (role, up, signal), ds in sorted(groups.items()):
+        panel.lines.append(
+            Line(
+                f"{role} {'+1' if up > 0 else '-1'}: {signal}",
+                [float(d["t"]) for d in ds],
+                [float(d["after"]) for d in ds],
+                "^" if up > 0 else "v",
+            )
+        )
+    return panel
 
 
 def _draw(ax: Any, panel: Panel) -> None:

@@ -28,6 +28,7 @@ from stream_rl.kafka.membership import read_members
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.topics import EVAL_RESULTS, WEIGHT_VERSIONS, TopicNames
 from stream_rl.kafka.transport import Transport
+from stream_rl.observe.autoscaling import read_state, status_lines
 
 C = TypeVar("C", bound=Contract)
 
@@ -229,6 +230,9 @@ class StatusView:
             (g, t, str(int(v[0])), f"{v[1]:.1f}s" if v[0] else "-") for (g, t), v in sorted(agg.items())
         ]
         parts.append(table(lag_rows))
+        scaled = read_state(self.run_dir)
+        if scaled is not None:
+            parts.append("\n".join(status_lines(scaled)))
         return "\n\n".join(parts)
 
 

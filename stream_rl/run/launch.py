@@ -31,6 +31,7 @@ from stream_rl.contracts import WeightVersionKind
 from stream_rl.inference.servers import check_engine, launch_for
 from stream_rl.kafka.broker import LocalBroker, free_port
 from stream_rl.kafka.stage import StopFlag
+from stream_rl.run.autoscale import autoscaler_for
 from stream_rl.run.children import Child, child_env, die_with_parent, run_admin_token, run_api_key
 from stream_rl.run.identity import Identity, RunState, decide
 from stream_rl.run.scaling import Scaling
@@ -296,6 +297,7 @@ class Launcher(Supervision, Scaling):
                     self.spawn(child)
             self.write_ports(serve_metrics(0))
             monitor.start()
+            autoscaler = autoscaler_for(self, monitor)
             heap.settle()
             max_wall = self.config.launcher.max_wall_s
             stall_s = self.config.launcher.stall_timeout_s
@@ -307,6 +309,8 @@ class Launcher(Supervision, Scaling):
                     break
                 self.check_scale()  # before the tick: a scale can take a while (a server joining)
                 monitor.tick()
+                if autoscaler is not None:
+                    autoscaler.tick()  # after the tick: it acts on the monitor's new sample
                 if watchdog is not None and monitor.sample is not None:
                     watchdog.observe(time.monotonic(), monitor.sample)
                     if not self.handle_stall(watchdog):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from typing import IO, Any
 
 from tqdm import tqdm
@@ -60,6 +61,8 @@ class RunMonitor:
         """The latest evaluation of this invocation's versions (the timeline has them all)."""
         self._lag = LagExporter(self.kafka, self.names)  # also served on the launcher's /metrics
         self._last_version: WeightVersion | None = None
+        self.recent: deque[WeightVersion] = deque(maxlen=64)
+        """The latest versions this invocation trained (`stream_rl.run.autoscale` reads them)."""
         self._step_offsets = 0
         self.sample: Sample | None = None
         """The latest progress sample (for the launcher's watchdog)."""
@@ -101,12 +104,17 @@ class RunMonitor:
         self._timeline.write(json.dumps(record) + "\n")
         self._timeline.flush()
 
+    def record(self, record: dict[str, Any]) -> None:
+        """Append a record to the timeline (`t` added), e.g. the autoscaler's decisions."""
+        self._write(record)
+
     def tick(self) -> None:
         """Record new versions, sample lag/offsets every few seconds, refresh the bar."""
         new = self._follower.drain()
         for wv in new:
             if self.since_version is not None and wv.version <= self.since_version:
                 continue  # trained by an earlier invocation
+            self.recent.append(wv)
             # The step's metrics first: the lineage fields (cumulative counters) win on a name clash.
             self._write(
                 {

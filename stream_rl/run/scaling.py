@@ -202,16 +202,23 @@ class Scaling:
         error = None
         try:
             counts = parse_counts([f"{k}={v}" for k, v in dict(request.get("counts") or {}).items()])
-            self._check(counts)
-            for role, n in counts.items():
-                self._scale(role, n, lines.append)
+            self.scale_to(counts, lines.append)
         except StreamRLError as exc:
             error = str(exc)
         _write(self.run_dir / RESULT, {"id": request.get("id"), "lines": lines, "error": error})
         for line in lines:
             print(f"\nscale: {line}", flush=True)
-        if self._launcher_port is not None:
-            self.write_ports(self._launcher_port)
+
+    def scale_to(self, counts: dict[str, int], say: Any) -> None:
+        """Check every count, then apply them (what a `stream-rl scale` request does; the autoscaler
+        of `launcher.autoscale` too): raises `StreamRLError` with nothing changed on a bad count."""
+        self._check(counts)
+        try:
+            for role, n in counts.items():
+                self._scale(role, n, say)
+        finally:
+            if self._launcher_port is not None:
+                self.write_ports(self._launcher_port)
 
     def _scale(self, role: str, n: int, say: Any) -> None:
         have = self._replicas(role)
