@@ -59,7 +59,7 @@ def describe(run_dir: Path) -> dict[str, str]:
         "state": state,
         "versions": f"{versions.get('last', '-') if versions.get('last') is not None else '-'}/{max_steps}",
         "reward": f"{_fmt(reward.get('first3_mean'))} -> {_fmt(reward.get('last3_mean'))}",
-        "eval pass@1": f"{_fmt(last_eval.get('pass_at_1'))}"
+        "eval pass@1 sampled/greedy": f"{_fmt(last_eval.get('sampled_pass_at_1'))}/{_fmt(last_eval.get('pass_at_1'))}"
         + (f" (v{last_eval['version']})" if last_eval else ""),
         "where": str(run_dir),
     }

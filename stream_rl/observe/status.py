@@ -93,10 +93,12 @@ def eval_line(ev: EvalResult | None) -> str:
     if ev is None:
         return "eval: no evaluation published yet (eval.every > 0 runs the evaluator)"
     parts = [f"eval: version {ev.version} on {ev.split} ({ev.num_problems} problems)"]
-    if ev.pass_at_1 is not None:
-        parts.append(f"pass@1 {ev.pass_at_1:.3f}")
+    if ev.sampled_pass_at_1 is not None:
+        parts.append(f"sampled pass@1 {ev.sampled_pass_at_1:.3f} (T={ev.temperature:g})")
     if ev.pass_at_k is not None:
-        parts.append(f"pass@{ev.k} {ev.pass_at_k:.3f} (T={ev.temperature:g})")
+        parts.append(f"pass@{ev.k} {ev.pass_at_k:.3f}")
+    if ev.pass_at_1 is not None:
+        parts.append(f"greedy pass@1 {ev.pass_at_1:.3f}")
     parts.append(f"mean length {ev.mean_length:.1f}, off-version tokens {ev.off_version_token_frac:.3f}")
     return ", ".join(parts)
 

@@ -367,8 +367,23 @@ def summary_line(summary: dict[str, Any]) -> str:
     )
     ev = (summary.get("eval") or {}).get("last")
     if ev:
-        line += f", eval pass@1 {_fmt((summary['eval'].get('first') or {}).get('pass_at_1'))} -> {_fmt(ev.get('pass_at_1'))} (version {ev.get('version')})"
+        line += ", " + eval_moves((summary["eval"].get("first") or {}), ev)
     return line
+
+
+def eval_moves(first: dict[str, Any], last: dict[str, Any]) -> str:
+    """What the held-out evaluation moved, each figure named: sampled pass@1 and pass@k (at the
+    eval temperature, what the policy does when it samples) and greedy pass@1 (temperature 0;
+    a tiny model can score high greedily from the start, so it alone can read as if training
+    hurt)."""
+    split = last.get("split") or "held-out"
+    out = f"eval on {split} (version {first.get('version', '-')} -> {last.get('version')}):"
+    moves = []
+    for key, label in (("sampled_pass_at_1", "sampled pass@1"), ("pass_at_k", f"pass@{last.get('k')}"),
+                       ("pass_at_1", "greedy pass@1")):  # fmt: skip
+        if isinstance(last.get(key), int | float):
+            moves.append(f"{label} {_fmt(first.get(key))} -> {_fmt(last.get(key))}")
+    return out + " " + ", ".join(moves) if moves else out + " no figures"
 
 
 def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:

@@ -156,8 +156,14 @@ class RunMonitor:
                 "samples_s": f"{last.samples_trained / elapsed:.1f}",
             }
             shown = self.last_eval
-            if shown is not None and shown.pass_at_1 is not None:
-                postfix["eval"] = f"{shown.pass_at_1:.3f}@v{shown.version}"
+            if shown is not None:
+                named = [
+                    f"{label} {value:.2f}"
+                    for label, value in (("sampled", shown.sampled_pass_at_1), ("greedy", shown.pass_at_1))
+                    if value is not None
+                ]
+                if named:
+                    postfix["eval pass@1"] = f"{' '.join(named)} @v{shown.version}"
             self._bar.set_postfix(postfix, refresh=False)
 
     def _sample(self) -> None:

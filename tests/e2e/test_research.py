@@ -146,12 +146,20 @@ def test_the_evaluator_publishes_one_exact_result_per_eval_every_versions(
     summary = json.loads((research.dir / "summary.json").read_text())
     assert summary["eval"]["records"] == 3 and summary["eval"]["last"]["version"] == 4
     assert summary["eval"]["last"]["pass_at_1"] == results[-1].pass_at_1
-    assert f"eval pass@1 {results[0].pass_at_1:.3f} -> {results[-1].pass_at_1:.3f}" in research.output
+    first, last = results[0], results[-1]
+    assert (
+        f"eval on held-out (version 0 -> 4): sampled pass@1 {first.sampled_pass_at_1:.3f} -> "
+        f"{last.sampled_pass_at_1:.3f}, pass@2 {first.pass_at_k:.3f} -> {last.pass_at_k:.3f}, "
+        f"greedy pass@1 {first.pass_at_1:.3f} -> {last.pass_at_1:.3f}"
+    ) in research.output
     assert (research.dir / "plots" / "eval.png").stat().st_size > 5000
     status = cli("status", "--run", research.name, "--runs-dir", str(research.runs_dir), "--once",
                  "--bootstrap", research.bootstrap, timeout=60)  # fmt: skip
     assert status.returncode == 0, status.stderr
-    assert f"eval: version 4 on held-out (40 problems), pass@1 {results[-1].pass_at_1:.3f}" in status.stdout
+    assert (
+        f"eval: version 4 on held-out (40 problems), sampled pass@1 {last.sampled_pass_at_1:.3f}"
+        f" (T={last.temperature:g}), pass@2 {last.pass_at_k:.3f}, greedy pass@1 {last.pass_at_1:.3f}"
+    ) in status.stdout
 
 
 def greedy_correct(model_dir: Path, config: RunConfig) -> list[str]:

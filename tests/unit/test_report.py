@@ -191,3 +191,37 @@ def test_summary_line_describes_this_invocation_only_and_never_crashes_on_missin
     )
     assert summary_line(empty).endswith("no version trained by this invocation")
     assert "after -s" in summary_line({"run": "r", "exit_reason": "x", "wall_s": None})
+
+
+def test_the_closing_line_names_sampled_and_greedy_eval_figures() -> None:
+    """The demo's eval moved sampled pass@1 0.21 -> 0.79 and pass@4 0.57 -> 0.96 while greedy pass@1
+    went 0.96 -> 0.93: the line says all three, named, sampled first (issue 34, item 7)."""
+    from stream_rl.run.launch import summary_line
+
+    first = {
+        "version": 0,
+        "split": "held-out",
+        "pass_at_1": 0.96,
+        "sampled_pass_at_1": 0.21,
+        "pass_at_k": 0.57,
+        "k": 4,
+    }
+    last = {
+        "version": 100,
+        "split": "held-out",
+        "pass_at_1": 0.93,
+        "sampled_pass_at_1": 0.79,
+        "pass_at_k": 0.96,
+        "k": 4,
+    }
+    s = {"run": "demo", "exit_reason": "reached max_steps (100)", "wall_s": 120.0,
+         "versions": {"count": 100, "first": 1, "last": 100}, "reward": {"first3_mean": 0.289, "last3_mean": 0.87},
+         "eval": {"first": first, "last": last}}  # fmt: skip
+    assert summary_line(s).endswith(
+        "reward 0.289 -> 0.870, eval on held-out (version 0 -> 100): sampled pass@1 0.210 -> 0.790, "
+        "pass@4 0.570 -> 0.960, greedy pass@1 0.960 -> 0.930"
+    )
+    greedy_only = {"version": 5, "split": "held-out", "pass_at_1": 0.5, "k": 0}
+    assert summary_line(s | {"eval": {"first": greedy_only, "last": greedy_only}}).endswith(
+        "eval on held-out (version 5 -> 5): greedy pass@1 0.500 -> 0.500"
+    )
