@@ -88,6 +88,9 @@ class InferenceConfig(Model):
     """First port of launched servers (server i listens on base_port + i)."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Device of the built-in engine."""
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Parameter dtype of the launched built-in engines (None: `model.dtype`). A bfloat16 engine for
+    a float32 trainer needs `trainer.push_dtype: server` (the push casts; docs/weight-pushes.md)."""
     engine: Engine = "builtin"
     """Inference engine of the launched servers (and of `servers` that name none): `builtin`
     (stream-rl's own), `vllm` (CPU build verified, GPU unverified), `sglang` (GPU, unverified)."""

@@ -100,6 +100,9 @@ class RunConfig(Model):
             raise ValueError(
                 "inference.vllm.weight_transfer: nccl needs trainer.device: cuda (use stream_rl_gloo on CPU)"
             )
+        problem = push_problem(self)
+        if problem:
+            raise ValueError(problem)
         problem = autoscale_problem(self)
         if problem:
             raise ValueError(problem)
@@ -113,6 +116,34 @@ class RunConfig(Model):
     @property
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / self.run
+
+
+def push_problem(config: RunConfig) -> str | None:
+    """Why `trainer.push_dtype`, `trainer.push_delta_threshold` or `inference.dtype` cannot apply
+    (None: they can); docs/weight-pushes.md."""
+    tcfg, inf = config.trainer, config.inference
+    engines = {s.engine for s in inf.server_list()}
+    shaped = tcfg.push_dtype != "trainer" or tcfg.push_delta_threshold is not None
+    if inf.dtype is not None and (inf.servers or inf.engine != "builtin"):
+        return "inference.dtype applies to the built-in servers the launcher starts (start your own with --dtype)"
+    if shaped and engines - {"builtin"}:
+        return (
+            "trainer.push_dtype: server and trainer.push_delta_threshold apply to built-in servers only "
+            "(vLLM and SGLang servers take the trainer's tensors)"
+        )
+    if shaped and (
+        tcfg.weight_transport == "cuda_ipc" or (tcfg.weight_transport == "auto" and tcfg.device == "cuda")
+    ):
+        return (
+            "trainer.push_dtype: server and trainer.push_delta_threshold need trainer.weight_transport "
+            "gloo or nccl (cuda_ipc shares the trainer's own buffers)"
+        )
+    if inf.dtype not in (None, config.model.dtype) and tcfg.push_dtype == "trainer" and engines:
+        return (
+            f"inference.dtype {inf.dtype} differs from model.dtype {config.model.dtype}: the servers would "
+            "refuse the trainer's tensors; set trainer.push_dtype: server (cast on the wire)"
+        )
+    return None
 
 
 def flash_attention_problem(dtype: str, devices: list[str]) -> str | None:

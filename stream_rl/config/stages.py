@@ -182,6 +182,17 @@ class TrainerConfig(Model):
     """Torch seed of the trainer."""
     bucket_mb: float = Field(16.0, gt=0)
     """Weight broadcast bucket size (MiB)."""
+    push_dtype: Literal["trainer", "server"] = "trainer"
+    """Dtype of the pushed tensors: `trainer`, the trainer's own (a server holding another dtype is
+    refused); `server`, each tensor cast to the dtype the server holds (`GET /weights/meta`, e.g.
+    `inference.dtype: bfloat16`), round-to-nearest-even: half the bytes from a float32 trainer.
+    Built-in servers, gloo or nccl transport only (docs/weight-pushes.md)."""
+    push_delta_threshold: float | None = Field(None, ge=0)
+    """Push only the tensors that moved by more than this (max absolute difference, in the pushed
+    dtype) since the version the servers hold; None: every tensor at every version. 0: exactly the
+    changed tensors (servers bit-exact); above 0 a server's tensors stay within this of the
+    trainer's. A server that missed a version gets every tensor. Built-in servers, gloo or nccl
+    transport only; the trainer keeps one copy of the pushed weights (docs/weight-pushes.md)."""
     update_timeout_s: float = Field(60.0, gt=0)
     """A server that has not installed a version within this is taken out of routing."""
     backend: Literal["torch", "deepspeed", "fsdp2"] = "torch"

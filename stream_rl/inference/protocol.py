@@ -130,7 +130,9 @@ class TensorSpec(Body):
 
 class UpdateWeightsRequest(Body):
     version: int = Field(ge=0)
-    tensors: list[TensorSpec] = Field(min_length=1)
+    tensors: list[TensorSpec]
+    """Any subset of `GET /weights/meta`, possibly empty: a delta push whose tensors all stayed
+    within the threshold only relabels the weights held as `version` (docs/weights-protocol.md)."""
     bucket_bytes: int = Field(ge=1)
 
 

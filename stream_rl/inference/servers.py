@@ -102,7 +102,7 @@ def launch_for(config: RunConfig, index: int) -> ServerLaunch:
                 "--model",
                 config.model.path,
                 "--dtype",
-                config.model.dtype,
+                config.inference.dtype or config.model.dtype,
                 "--attn-implementation",
                 config.model.attn_implementation,
                 "--host",

@@ -321,6 +321,8 @@ class TrainerStage:
             wait_s=max(0.0, step_s - acc.compute_s),
             samples_per_s=acc.consumed / step_s if step_s > 0 else 0.0,
             broadcast_ms=report.broadcast_ms if report else 0.0,
+            # bytes the built-in sender broadcast for this version, over all servers (docs/weight-pushes.md)
+            push_bytes=sum(t.get("bytes", 0.0) for t in report.per_server.values()) if report else 0.0,
             checkpoint_ms=(now - started) * 1000 if uri else 0.0,
         )
         if self.servers.restarted_since_step:  # found while idle before this step

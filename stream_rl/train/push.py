@@ -156,6 +156,8 @@ def _engine_sender(config: RunConfig, engine: str, endpoints: list[ServerEndpoin
         master_addr=addr,
         master_port=port,
         timeout_s=timeout_s,
+        push_dtype=tcfg.push_dtype,
+        delta_threshold=tcfg.push_delta_threshold,
     )
     return sender
 

@@ -60,6 +60,9 @@ from stream_rl.weights.broadcast import send_buckets
 from stream_rl.weights.buckets import TensorMeta, plan_buckets
 from stream_rl.weights.client import ServerClient, ServerEndpoint, UpdateAnswer
 from stream_rl.weights.group import SyncGroup, check_backend, host_store
+from stream_rl.weights.lora import adapters_of
+from stream_rl.weights.lora_push import push_adapters
+from stream_rl.weights.shaping import HeldWeights, cast_to, check_push_options, server_dtypes
 
 __all__ = ["PushReport", "ServerEndpoint", "WeightSender"]
 
@@ -126,9 +129,16 @@ class WeightSender:
         backend: str = "gloo",
         timeout_s: float = 60.0,
         device: str | None = None,
+        push_dtype: str = "trainer",
+        delta_threshold: float | None = None,
     ) -> None:
-        """`device`: the CUDA device of the NCCL groups (default: the current one); unused by gloo."""
+        """`device`: the CUDA device of the NCCL groups (default: the current one); unused by gloo.
+        `push_dtype` ("trainer" or "server": cast to each server's dtype) and `delta_threshold`
+        (None: every tensor every version): smaller pushes, `stream_rl.weights.shaping`."""
         check_backend(backend)
+        check_push_options(push_dtype, delta_threshold)
+        self.push_dtype = push_dtype
+        self._held = HeldWeights(delta_threshold) if delta_threshold is not None else None
         urls = [s.url for s in servers]
         if len(set(urls)) != len(urls):
             raise WeightSyncError(f"duplicate server URLs in {urls}")
@@ -257,29 +267,44 @@ class WeightSender:
 
         Blocks until every such server installed it or was dropped (at most ~`timeout_s`).
         Raises `WeightSyncError`, before anything is sent, if the tensors do not match a server's.
+        A LoRA trainer's version (`stream_rl.weights.lora.MergedWeights`) travels as its adapters.
         """
+        lora = adapters_of(named_tensors)
+        if lora is not None:
+            return push_adapters(self, version, lora, bucket_bytes)
+        live = [link for link in self._links.values() if link.group is not None]
+        targets = [link for link in live if link.version != version]
+        if self.push_dtype == "server" and targets:
+            dtypes = server_dtypes([n for n, _ in named_tensors], {t.url: t.metas or {} for t in targets})
+            named_tensors = cast_to(named_tensors, dtypes)
         metas = [TensorMeta.from_tensor(name, tensor) for name, tensor in named_tensors]
         names = [m.name for m in metas]
         if len(set(names)) != len(names):
             raise WeightSyncError("duplicate tensor names in the update")
-        plan = plan_buckets(metas, bucket_bytes)
-        live = [link for link in self._links.values() if link.group is not None]
-        targets = [link for link in live if link.version != version]
         for link in targets:
             check_against_server(metas, link.metas or {}, link.url)
+        sends = self._sends(version, named_tensors, targets)
         report = PushReport(version=version, broadcast_ms=0.0)
         report.updated = [link.url for link in live if link.version == version]
         if targets:
-            sources = [tensor.detach() for _, tensor in named_tensors]
             deadline = time.monotonic() + self.timeout_s
             pool = cf.ThreadPoolExecutor(max_workers=2 * len(targets), thread_name_prefix="weights-push")
             try:
-                futures = {
-                    link.url: pool.submit(
-                        self._deliver, link, version, metas, plan, sources, bucket_bytes, deadline, pool
+                futures = {}
+                for link in targets:
+                    sent = sends[link.url]
+                    sent_metas = [TensorMeta.from_tensor(n, t) for n, t in sent]
+                    futures[link.url] = pool.submit(
+                        self._deliver,
+                        link,
+                        version,
+                        sent_metas,
+                        plan_buckets(sent_metas, bucket_bytes),
+                        [t.detach() for _, t in sent],
+                        bucket_bytes,
+                        deadline,
+                        pool,
                     )
-                    for link in targets
-                }
                 cf.wait(futures.values(), timeout=self.timeout_s + 2 * _GRACE_S)
             finally:
                 pool.shutdown(wait=False, cancel_futures=True)
@@ -298,6 +323,21 @@ class WeightSender:
                     self._drop(link)
         self.version = version
         return report
+
+    def _sends(
+        self, version: int, named: Sequence[tuple[str, torch.Tensor]], targets: Sequence[_Link]
+    ) -> dict[str, Sequence[tuple[str, torch.Tensor]]]:
+        """url -> the tensors to send it: all of them, or with a delta threshold, the ones that moved
+        since the held version to a server holding it and the whole held copy to the others."""
+        held = self._held
+        if held is None:
+            return {link.url: named for link in targets}
+        before = held.version
+        changed = held.advance(version, named) if before != version else None
+        return {
+            link.url: held.named(changed) if changed is not None and link.version == before else held.named()
+            for link in targets
+        }
 
     def _deliver(
         self,
@@ -341,6 +381,8 @@ class WeightSender:
                 "stall_ms": answer.stall_ms,
                 "broadcast_ms": broadcast_ms,
                 "total_ms": total_ms,
+                "bytes": float(sum(m.nbytes for m in metas)),
+                "tensors": float(len(metas)),
             }
         )
 

@@ -40,15 +40,23 @@ def make_builtin_sender(
     master_addr: str,
     master_port: int,
     timeout_s: float,
+    push_dtype: str = "trainer",
+    delta_threshold: float | None = None,
 ) -> WeightSender | IpcWeightSender | AutoSender:
     """The sender of `transport` for built-in servers (see the module doc); each is a
-    `stream_rl.train.push.WeightPusher` (checked where the trainer assigns this)."""
+    `stream_rl.train.push.WeightPusher` (checked where the trainer assigns this). `push_dtype` and
+    `delta_threshold` (`stream_rl.weights.shaping`) shape what travels: gloo and nccl only."""
     if transport not in TRANSPORTS:
         raise WeightSyncError(f"weight transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
     if transport in ("nccl", "cuda_ipc") and trainer_device != "cuda":
         raise WeightSyncError(f"weight transport {transport} needs a CUDA trainer (use gloo on CPU)")
     if transport == "auto":
         transport = "gloo" if trainer_device == "cpu" else "auto"
+    if (push_dtype != "trainer" or delta_threshold is not None) and transport not in ("gloo", "nccl"):
+        raise WeightSyncError(
+            "push_dtype server and delta_threshold need weight transport gloo or nccl "
+            f"(got {transport}: cuda_ipc shares the trainer's own buffers)"
+        )
     if transport == "cuda_ipc":
         from stream_rl.weights.ipc_sender import IpcWeightSender
 
@@ -56,7 +64,13 @@ def make_builtin_sender(
     if transport == "auto":
         return AutoSender(servers, master_addr=master_addr, master_port=master_port, timeout_s=timeout_s)
     return WeightSender(
-        servers, backend=transport, master_addr=master_addr, master_port=master_port, timeout_s=timeout_s
+        servers,
+        backend=transport,
+        master_addr=master_addr,
+        master_port=master_port,
+        timeout_s=timeout_s,
+        push_dtype=push_dtype,
+        delta_threshold=delta_threshold,
     )
 
 

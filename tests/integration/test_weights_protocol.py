@@ -107,6 +107,20 @@ def test_an_outside_trainer_following_the_doc_updates_weights_in_flight(tmp_path
         assert [s["version"] for s in spans] == [0, 7]  # the update landed mid-sequence
         greedy = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
         choice = httpx.post(f"{server.url}/v1/completions", json=greedy, timeout=60).json()["choices"][0]
+
+        # Section 4: an update of one tensor (the others keep theirs), then one of none (a relabel).
+        norm = next(m for m in metas if m["name"] == "model.norm.weight")
+        new_norm = torch.full(norm["shape"], 1.5, dtype=DTYPE[norm["dtype"]])
+        partial = {"version": 8, "tensors": [norm], "bucket_bytes": 1024}
+        reply = pool.submit(http.post, "/weights/update", json=partial)
+        pg.broadcast([new_norm.reshape(-1).view(torch.uint8)], bopts).wait()
+        assert reply.result().json()["version"] == 8
+        empty = http.post("/weights/update", json={"version": 9, "tensors": [], "bucket_bytes": 1024})
+        assert empty.status_code == 200 and empty.json()["version"] == 9, empty.text
+        assert http.get("/weights/version").json() == {"version": 9}
+        assert torch.equal(engine.parameters.get("model.norm.weight"), new_norm)
+        embed = "model.embed_tokens.weight"
+        assert torch.equal(engine.parameters.get(embed), new[embed])
     with torch.inference_mode():
         out = reference.generate(
             torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
