@@ -136,6 +136,21 @@ class PreprocessorConfig(Model):
     """Encoded size limit of one TrainingBatch record; a larger pack is split."""
 
 
+class LoraConfig(Model):
+    rank: int = Field(8, ge=1)
+    """LoRA rank r: each targeted weight W [out, in] trains A [r, in] and B [out, r]."""
+    alpha: float = Field(16.0, gt=0)
+    """LoRA alpha: the served weight is `W0 + (alpha / rank) * B @ A`."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1
+    )
+    """Linear layers given adapters, by module name suffix as peft matches them (Qwen2/Llama:
+    `q_proj k_proj v_proj o_proj gate_proj up_proj down_proj`). Linear layers only."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training (peft's `lora_dropout`; the rest of the model
+    stays in eval mode, so only the adapter path is noised)."""
+
+
 class TrainerConfig(Model):
     samples_per_step: int = Field(64, ge=1)
     """Sequences per optimizer step (loss is divided by this)."""
@@ -232,9 +247,17 @@ class TrainerConfig(Model):
     """Checkpoints kept on disk (the oldest are deleted after a new one is durable)."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Serve Prometheus `/metrics` on this port (0 = any free port; None = off)."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters only (peft; the base weights stay frozen): the optimizer state and
+    checkpoints hold the adapters, and built-in servers are pushed the adapter tensors
+    (docs/lora.md). None: full fine-tuning. Torch backend only."""
 
     @model_validator(mode="after")
     def _check_clip(self) -> TrainerConfig:
+        if self.lora is not None and self.backend != "torch":
+            raise ValueError(
+                f"trainer.lora: only trainer.backend: torch trains LoRA adapters (not {self.backend})"
+            )
         if self.policy_loss == "reinforce" and self.eps_low is not None:
             raise ValueError(
                 "trainer.eps_low: reinforce never clamps its weight below (leave eps_low unset, "

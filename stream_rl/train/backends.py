@@ -31,10 +31,24 @@ def build_trainer(config: RunConfig, weights: str | Path | None = None) -> Train
     configure_determinism(tcfg.deterministic, tcfg.seed, tcfg.torch_threads)
     attn = config.model.attn_implementation
     path = weights if weights is not None else config.model.path
+    adapter = None
+    if tcfg.lora is not None:
+        from stream_rl.train.lora import is_adapter
+
+        if is_adapter(Path(path)):  # a LoRA checkpoint's model/: the base is model.path
+            adapter, path = Path(path), config.model.path
     model = load_model(path, config.model.dtype, tcfg.device, attn)
     ref = None
     if tcfg.kl_coef > 0:
         ref = load_model(config.model.path, config.model.dtype, tcfg.device, attn).requires_grad_(False)
-    return PolicyTrainer(
-        model, tcfg, temperature=config.actor.sampling.temperature, device=tcfg.device, ref_model=ref
-    )
+    temperature = config.actor.sampling.temperature
+    if tcfg.lora is not None:
+        from stream_rl.train.lora import LoraTrainer, wrap
+
+        trainer = LoraTrainer(
+            wrap(model, tcfg.lora), tcfg, temperature=temperature, device=tcfg.device, ref_model=ref
+        )
+        if adapter is not None:
+            trainer.load_adapter(adapter)
+        return trainer
+    return PolicyTrainer(model, tcfg, temperature=temperature, device=tcfg.device, ref_model=ref)
