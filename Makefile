@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 UV := $(shell command -v uv 2>/dev/null || echo $(CACHE)/tools/bin/uv)
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml uv.lock Makefile | sha1sum | cut -c1-12)
 
-.PHONY: setup vllm gpu-extra gpu-extra-check lock test unit lint typecheck docs docs-serve pytest docker-tools demo model clean-venv bench-headline
+.PHONY: setup vllm gpu-extra gpu-extra-check lock test unit lint typecheck docs docs-serve pytest docker-tools demo model clean-venv clean-cache cache-size bench-headline
 
 # compileall: the project's own modules byte-compiled once (it writes them where
 # PYTHONDONTWRITEBYTECODE is set too), not by each of the ~130 stage processes of a `make test`
@@ -119,6 +119,22 @@ docs-serve: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
 test: setup vllm lint typecheck docs gpu-extra-check pytest
+	@$(MAKE) --no-print-directory cache-size
+
+# What the caches hold (after `make test`: the environments, Docker's images and build cache, the
+# Kafka jars, uv's wheels). du counts a file hard-linked from several places once, under the first
+# folder listed (uv links the environments' files to its cache).
+cache-size:
+	@echo "caches (make clean-cache removes $(CACHE); uv's and Maven's are theirs to clean):"
+	@du -sh $(CACHE)/venvs $(CACHE)/docker $(CACHE)/kafka-* $(CACHE)/tools $(CACHE)/test-models \
+		$(HOME)/.cache/uv $(HOME)/.m2 2>/dev/null | sed 's/^/  /' || true
+
+# Everything stream-rl cached: the environments (.venv and .venv-vllm point there), Docker's data
+# (its engine stopped first), the Kafka jars, the test models. The next `make` builds them again.
+clean-cache:
+	@deploy/docker/engine.sh down >/dev/null 2>&1 || true
+	rm -rf $(CACHE) $(VENV) $(VLLM_VENV)
+	@echo "removed $(CACHE); uv's cache: uv cache clean; Maven's: ~/.m2/repository"
 
 DEMO_MODEL ?= models/tiny-arith
 DEMO_CONFIG ?= configs/demo-cpu.yaml
