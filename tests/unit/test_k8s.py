@@ -145,7 +145,11 @@ def test_keda_scales_each_consumer_on_its_own_group_and_topic() -> None:
     specs = load_topology()
     auths = by_kind("TriggerAuthentication")
     statefulsets = by_kind("StatefulSet")
-    scaled = {o["spec"]["scaleTargetRef"]["name"]: o for o in by_kind("ScaledObject").values()}
+    scaled = {
+        o["spec"]["scaleTargetRef"]["name"]: o
+        for o in by_kind("ScaledObject").values()
+        if o["spec"]["triggers"][0]["type"] == "kafka"
+    }
     assert set(scaled) == {f"stream-rl-{role}" for role in ("actor", "verifier", "preprocessor")}
     for target, obj in scaled.items():
         role = target.removeprefix("stream-rl-")
@@ -285,3 +289,55 @@ def test_server_pods_join_and_leave_the_run_from_their_hooks() -> None:
     assert ca == ("stream-rl-cluster-ca-cert", "ca.crt")
     secret = _mounted_from(spec, cfg.kafka.secret_properties["sasl.password"].removeprefix("file:"))
     assert secret == (cfg.kafka.client_properties["sasl.username"], "password")
+
+
+def test_keda_scales_the_servers_on_the_occupancy_the_launcher_policy_uses() -> None:
+    """The servers' ScaledObject: a Prometheus trigger on the series the built-in server exports,
+    with the local policy's thresholds (launcher.autoscale, docs/autoscaling.md), as are the
+    verifier's and preprocessor's lagThreshold."""
+    import re
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from stream_rl.config.autoscale import Thresholds
+    from stream_rl.inference.engine import EngineStats
+    from stream_rl.inference.metrics import ServerMetrics
+
+    class Engine:
+        def stats(self) -> EngineStats:
+            return EngineStats(1, 2, 0, 0, 0, 0, 0.0, True, 0.0, max_batch=128, sequence_s=3.0)
+
+    text = ServerMetrics(Engine()).render().decode()  # type: ignore[arg-type]
+    exported = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    scaled = {o["spec"]["scaleTargetRef"]["name"]: o for o in by_kind("ScaledObject").values()}
+    server = scaled["stream-rl-server"]
+    assert server["spec"]["scaleTargetRef"]["kind"] == "StatefulSet"
+    assert server["spec"]["scaleTargetRef"]["name"] in by_kind("StatefulSet")
+    (trigger,) = server["spec"]["triggers"]
+    assert trigger["type"] == "prometheus"
+    meta = trigger["metadata"]
+    assert meta["serverAddress"].startswith("http") and set(meta) >= {"query", "threshold"}
+    query = meta["query"]
+    assert query.count("(") == query.count(")")
+    used = set(re.findall(r"stream_rl_\w+", query))
+    want = {
+        "stream_rl_inference_sequence_seconds_total",
+        "stream_rl_inference_max_batch",
+        "stream_rl_inference_waiting",
+    }
+    assert used == want, used
+    assert used <= exported, used - exported
+    th = Thresholds()
+    assert float(meta["threshold"]) == th.occupancy_high
+    lag = {
+        o["spec"]["scaleTargetRef"]["name"]: int(o["spec"]["triggers"][0]["metadata"]["lagThreshold"])
+        for o in scaled.values()
+        if o["spec"]["triggers"][0]["type"] == "kafka"
+    }
+    assert (
+        lag["stream-rl-verifier"] == th.verifier_lag and lag["stream-rl-preprocessor"] == th.preprocessor_lag
+    )
+    # The servers config.yaml lists stay; the pods' /metrics are scraped where the query looks.
+    assert server["spec"]["minReplicaCount"] >= len(run_config().inference.servers)
+    annotations = by_kind("StatefulSet")["stream-rl-server"]["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == "8100"
