@@ -1,4 +1,4 @@
-"""The consume-process-produce loop, written once and used by every stage.
+"""The consume-process-produce loop, written once: the verifier and the preprocessor run on it.
 
     poll a batch -> decode (undecodable/invalid -> DLQ) -> handle(batch) -> produce outputs
     -> at-least-once: flush, then commit the batch's offsets
@@ -13,8 +13,10 @@ stage's partition state is rebuilt (`on_revoke` then `on_assign` of the assignme
 restart, so nothing is lost or emitted twice. Runs can be bounded by record count or idle time (tests drive real
 stages to completion without sleeps).
 
-Stages whose work completes out of order (the actor) use `stream_rl.kafka.offsets.OffsetTracker`
-with the same transport instead of `StageLoop`.
+Consumers that commit on another rule poll the same transport themselves (docs/concepts.md
+"Design choices"): the actor (work completes out of order: `stream_rl.kafka.offsets.OffsetTracker`),
+the trainer (commits after durable checkpoints) and the evaluator (follows `weight-versions`,
+never commits).
 """
 
 from __future__ import annotations
