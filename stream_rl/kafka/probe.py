@@ -11,7 +11,7 @@ import confluent_kafka as ck
 from confluent_kafka.admin import AdminClient
 
 from stream_rl.errors import KafkaError
-from stream_rl.kafka.librdkafka import Properties, build_client, client_conf
+from stream_rl.kafka.librdkafka import Properties, build_client, client_conf, principal
 from stream_rl.kafka.outage import reachable_wait_s
 
 
@@ -22,12 +22,16 @@ class _ProbeLog(logging.Logger):
         super().__init__("stream_rl.kafka.probe")
         self.propagate = False
         self.closed_before_answering = False
+        self.closed_after_tls = False
 
     def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
         # A listener that wants TLS (or SASL) drops a plaintext client during its first request.
         text = str(msg) % args if args else str(msg)
         if "Disconnected" in text and "APIVERSION_QUERY" in text:
             self.closed_before_answering = True
+        # A SASL_SSL listener drops a client that speaks TLS but no SASL once it sends a request.
+        if "SSL connection closed by peer" in text and "in state UP" in text:
+            self.closed_after_tls = True
 
 
 _AUTH_ERRORS = (ck.KafkaError._AUTHENTICATION, ck.KafkaError.SASL_AUTHENTICATION_FAILED)
@@ -60,16 +64,34 @@ def check_reachable(
         auth = [e for e in errors if e.code() in _AUTH_ERRORS]
         if auth:
             raise KafkaError(
-                f"Kafka at {bootstrap} refused our credentials: {auth[-1].str()} (check "
+                f"Kafka at {bootstrap} refused our credentials: {auth[-1].str()} (as "
+                f"{principal(properties)}; check "
                 "kafka.client_properties sasl.mechanism/sasl.username and kafka.secret_properties)"
+            )
+        alerts = [e for e in errors if "tls alert" in e.str()]
+        if alerts:  # the broker refused our client certificate (or its absence) during the handshake
+            cert = (
+                "a client certificate"
+                if "ssl.certificate.location" in (properties or {})
+                else "no client certificate"
+            )
+            raise KafkaError(
+                f"Kafka at {bootstrap} refused our TLS client certificate: {alerts[-1].str()} (as "
+                f"{principal(properties)}, {cert}; the listener takes certificates its CA signed, unexpired)"
             )
         tls = [e for e in errors if e.code() == ck.KafkaError._SSL]
         if tls:
             raise KafkaError(
-                f"TLS with Kafka at {bootstrap} failed: {tls[-1].str()} (check kafka.client_properties "
-                "ssl.ca.location / security.protocol)"
+                f"TLS with Kafka at {bootstrap} failed: {tls[-1].str()} (as {principal(properties)}; check "
+                "kafka.client_properties ssl.ca.location / security.protocol, and a client certificate's CA)"
             )
         if time.monotonic() >= deadline:
+            if probe.closed_after_tls and not (properties or {}).get("sasl.username"):
+                raise KafkaError(
+                    f"Kafka at {bootstrap} closes our connection after TLS, before answering: the listener "
+                    "wants SASL credentials and we gave none (set sasl.mechanism, sasl.username and the "
+                    "password: kafka.credentials)"
+                )
             if probe.closed_before_answering:
                 raise KafkaError(
                     f"Kafka at {bootstrap} accepts connections but closes them before answering: most "

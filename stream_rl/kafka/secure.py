@@ -104,9 +104,10 @@ class Pki:
         )  # fmt: skip
         return self.ca_pem
 
-    def issue(self, name: str, cn: str, sans: str | None = None) -> tuple[Path, Path]:
+    def issue(self, name: str, cn: str, sans: str | None = None, days: int = CERT_DAYS) -> tuple[Path, Path]:
         """A certificate for `CN=cn` signed by the CA (with `sans`, e.g. `IP:127.0.0.1,DNS:localhost`,
-        for a server): (certificate, key) in `dir/name.crt` and `dir/name.key`; kept when present."""
+        for a server), valid `days` (0: expired a second after): (certificate, key) in `dir/name.crt` and
+        `dir/name.key`; kept when present."""
         crt, key = self.dir / f"{name}.crt", self.dir / f"{name}.key"
         if crt.exists() and key.exists():
             return crt, key
@@ -119,7 +120,7 @@ class Pki:
         ext.write_text("basicConstraints=CA:FALSE\n" + (f"subjectAltName={sans}\n" if sans else ""))
         _run(
             [_openssl(), "x509", "-req", "-in", str(csr), "-CA", str(self.ca_pem), "-CAkey", str(self._ca_key),
-             "-CAcreateserial", "-out", str(crt), "-days", str(CERT_DAYS), "-extfile", str(ext)]
+             "-CAcreateserial", "-out", str(crt), "-days", str(days), "-extfile", str(ext)]
         )  # fmt: skip
         csr.unlink()
         ext.unlink()
@@ -310,22 +311,19 @@ def kafka_section(listeners: SecureListeners, run: str, prefix: str, *, mtls: bo
 def enroll(listeners: SecureListeners, run: str, prefix: str, base_config: Path | None = None) -> Enrollment:
     """Users, certificates, ACLs and config files of run `run` (idempotent: existing passwords and
     certificates are kept, missing ACLs created). Connects as the operator."""
-    from confluent_kafka.admin import (
-        AdminClient,
-        ScramCredentialInfo,
-        ScramMechanism,
-        UserScramCredentialUpsertion,
-    )
+    from confluent_kafka.admin import ScramCredentialInfo, ScramMechanism, UserScramCredentialUpsertion
 
+    from stream_rl.config import KafkaConfig
     from stream_rl.kafka.acl_admin import KafkaAcls, apply_acls
     from stream_rl.kafka.acls import plan_acls
+    from stream_rl.kafka.client import KafkaTransport
     from stream_rl.kafka.topics import TopicNames
 
     run_dir = listeners.dir / "runs" / run
     run_dir.mkdir(parents=True, exist_ok=True)
-    admin = AdminClient(
-        {"bootstrap.servers": listeners.bootstrap, **listeners.probe_properties(), "log_level": 0}
-    )
+    section = kafka_section(listeners, run, prefix)
+    # As the operator (a super user), with the section written into the run's config.
+    admin = KafkaTransport.for_run(KafkaConfig.model_validate(section)).admin
     info = ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, SCRAM_ITERATIONS)
     upserts = []
     for role in ENROLLED:
@@ -338,7 +336,6 @@ def enroll(listeners: SecureListeners, run: str, prefix: str, base_config: Path 
             fut.result(timeout=30)
         except Exception as exc:  # noqa: BLE001 - librdkafka's KafkaException, one line
             raise BrokerError(f"creating the SCRAM user {user} failed: {exc}") from exc
-    section = kafka_section(listeners, run, prefix)
     names = TopicNames(run=run, prefix=prefix)
     planned = plan_acls(names, section["principals"])
     report = apply_acls(KafkaAcls(admin, listeners.bootstrap), planned, names)

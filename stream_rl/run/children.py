@@ -127,14 +127,34 @@ def run_api_key(config: RunConfig) -> str | None:
     return secrets.token_urlsafe(32)
 
 
+def others_secret_env(config: RunConfig, role: str | None) -> set[str]:
+    """The environment variables `kafka.credentials` names as secrets (`${NAME}`) of kinds of process
+    other than `role` and not of `role` itself nor shared (`kafka.secret_properties`): left out of
+    that child's environment, so a stage holds its own principal's secret only."""
+    kafka = config.kafka
+
+    def env_refs(refs: dict[str, str]) -> set[str]:
+        return {r[2:-1] for r in refs.values() if r.startswith("${") and r.endswith("}")}
+
+    own = env_refs(kafka.secret_properties)
+    others: set[str] = set()
+    for kind, creds in kafka.credentials.items():
+        (own if kind == role else others).update(env_refs(creds.secret_properties))
+    return others - own
+
+
 def child_env(
-    config: RunConfig, admin_token: str | None = None, api_key: str | None = None
+    config: RunConfig, admin_token: str | None = None, api_key: str | None = None, role: str | None = None
 ) -> dict[str, str]:
     """The launcher's environment plus what every child needs; the run's admin token and API key
-    when set (a `None` key leaves an inherited $VLLM_API_KEY alone: `run_api_key` returned it)."""
+    when set (a `None` key leaves an inherited $VLLM_API_KEY alone: `run_api_key` returned it).
+    With `role` (a stage's kind), the other kinds' Kafka secrets named by environment variable are
+    left out (`others_secret_env`)."""
     # The launcher has reached the broker: a child (re)started during an outage waits it out
     # instead of failing fast as for a wrong address.
     env = {**os.environ, "PYTHONUNBUFFERED": "1", REACHABLE_WAIT_ENV: str(config.kafka.outage_timeout_s)}
+    for name in others_secret_env(config, role) if role is not None else ():
+        env.pop(name, None)
     if admin_token is not None:
         env[ADMIN_TOKEN_ENV] = admin_token
     if api_key is not None:

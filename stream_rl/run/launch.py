@@ -55,7 +55,9 @@ __all__ = [
 
 class Launcher(Supervision, Scaling):
     def __init__(self, config: RunConfig, stop: StopFlag) -> None:
-        self.config = config
+        # Its own Kafka clients as the launcher (kafka.credentials.launcher); each stage's config
+        # gets that stage's credentials only (add_stage).
+        self.config = config.model_copy(update={"kafka": config.kafka.acting_as("launcher")})
         self.stop = stop
         self.run_dir = config.run_dir
         self.children: list[Child] = []
@@ -200,7 +202,8 @@ class Launcher(Supervision, Scaling):
         child_dir = self.run_dir / name
         child_dir.mkdir(parents=True, exist_ok=True)
         config_path = child_dir / "config.yaml"
-        config_path.write_text(dump_config(self.config))
+        own = self.config.model_copy(update={"kafka": self.config.kafka.for_role(role)})
+        config_path.write_text(dump_config(own))
         cmd = [
             sys.executable,
             "-m",

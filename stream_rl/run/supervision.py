@@ -114,7 +114,7 @@ class Supervision:
             self._fork_server = None
 
     def spawn(self, child: Child) -> None:
-        env = {**child_env(self.config, self.admin_token, self.api_key), **child.env}
+        env = {**child_env(self.config, self.admin_token, self.api_key, role=child.role), **child.env}
         server = self._fork_server
         forked = False
         if server is not None and child.dumps_stacks and child.cmd[0] == sys.executable:

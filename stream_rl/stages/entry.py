@@ -91,12 +91,16 @@ def open_transport(config: RunConfig, transport: Transport | None) -> Transport:
     return kafka
 
 
-def stage_config(args: argparse.Namespace) -> RunConfig:
-    """The run config of a stage command, `--bootstrap` folded into `kafka.bootstrap`."""
+def stage_config(args: argparse.Namespace, role: str | None = None) -> RunConfig:
+    """The run config of a stage command, `--bootstrap` folded into `kafka.bootstrap`; with `role`,
+    as that kind of process sees it (its own `kafka.credentials` entry only: `KafkaConfig.for_role`)."""
     overrides = list(args.overrides)
     if args.bootstrap:
         overrides.append(f"kafka.bootstrap={args.bootstrap}")
-    return load_config(args.config, overrides)
+    config = load_config(args.config, overrides)
+    if role is None:
+        return config
+    return config.model_copy(update={"kafka": config.kafka.for_role(role)})
 
 
 def start_stage(name: str, metrics_port: int | None) -> StopFlag:
@@ -112,7 +116,7 @@ def start_stage(name: str, metrics_port: int | None) -> StopFlag:
 
 def run_stage_command(name: str, run: StageRun, args: argparse.Namespace) -> int:
     """Load the config, install the signal handlers, serve metrics, run the stage, print a summary."""
-    config = stage_config(args)
+    config = stage_config(args, name)
     stop = start_stage(name, args.metrics_port)
     UP.labels(name).set(1)
     try:

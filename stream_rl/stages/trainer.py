@@ -469,7 +469,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """`stream-rl trainer`: the shared stage entry (`stream_rl.stages.entry`), bounded by steps;
     `/metrics` on `--metrics-port`, else `trainer.metrics_port`."""
-    config = stage_config(args)
+    config = stage_config(args, "trainer")
     if args.instance != "0":
         raise ConfigError(
             "one trainer per run: --instance must be 0 (ranks come from the distributed launcher)"

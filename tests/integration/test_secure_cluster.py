@@ -1,0 +1,209 @@
+"""Tries to get into the cluster `stream-rl kafka up --secure` makes (one broker for the module):
+each stage's principal may do what the topology gives it and nothing else, runs are apart, and
+no credentials, a wrong password, a foreign or expired client certificate are refused by the
+broker; every refusal reaches the user as one line naming the principal and the right it lacks.
+(The item-1 ACL tests on a SASL/PLAIN broker: tests/integration/test_acls_on_a_broker.py.)"""
+
+from __future__ import annotations
+
+import re
+import stat
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from stream_rl.cli import main as cli_main
+from stream_rl.config import KafkaConfig, load_config
+from stream_rl.errors import KafkaError
+from stream_rl.kafka.broker import LocalBroker, free_port, port_is_free
+from stream_rl.kafka.client import KafkaTransport
+from stream_rl.kafka.probe import check_reachable
+from stream_rl.kafka.secure import ENROLLED, Pki, secure_listeners
+from stream_rl.kafka.topics import PROBLEMS, RAW_ROLLOUTS, TRAINING_BATCHES, WEIGHT_VERSIONS, TopicNames
+
+pytestmark = pytest.mark.integration
+
+RUN = f"sec{uuid.uuid4().hex[:6]}"
+OTHER_RUN = f"oth{uuid.uuid4().hex[:6]}"
+NO_ACL = r"that principal has no such ACL"
+
+
+@dataclass(frozen=True)
+class Secured:
+    data_dir: Path
+    kafka: KafkaConfig
+    """The run's `kafka:` section as `kafka up --secure` wrote it (SCRAM, every kind's credentials)."""
+    mtls: KafkaConfig
+    """The same over the mutual-TLS listener."""
+    expired: tuple[Path, Path]
+    """A certificate (and key) of our CA for the actor's CN that expired a second after it was made."""
+
+    def transport(self, role: str, kafka: KafkaConfig | None = None) -> KafkaTransport:
+        cfg = (kafka or self.kafka).for_role(role)
+        return KafkaTransport.for_config(cfg, cfg.bootstrap or "", outage_s=10)
+
+
+def _kafka_section(path: Path) -> KafkaConfig:
+    return load_config(path, [f"run={RUN}"]).kafka
+
+
+def _two_free_ports() -> int:
+    """A port whose successor is free too (`up --secure` puts the mutual-TLS listener there)."""
+    for _ in range(50):
+        port = free_port()
+        if port_is_free(port + 1):
+            return port
+    raise AssertionError("no two adjacent free ports")
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
+    data_dir = tmp_path_factory.mktemp("secure") / "kafka"
+    args = ["kafka", "up", "--secure", "--data-dir", str(data_dir), "--port", str(_two_free_ports())]
+    assert cli_main([*args, "--run", RUN, "--quiet"]) == 0
+    try:
+        listeners = secure_listeners(data_dir)
+        assert listeners is not None
+        expired = listeners.pki.issue("expired-actor", f"{RUN}-actor", days=0)
+        run_dir = data_dir / "secure" / "runs" / RUN
+        cfg = Secured(
+            data_dir,
+            _kafka_section(run_dir / "kafka.yaml"),
+            _kafka_section(run_dir / "kafka-mtls.yaml"),
+            expired,
+        )
+        launcher = cfg.transport("launcher")  # the launcher's rights make the run's topics
+        from stream_rl.kafka.topics import apply_topics
+
+        apply_topics(launcher, TopicNames(RUN), None)
+        yield cfg
+    finally:
+        LocalBroker(data_dir).down(quiet=True)
+
+
+def test_up_secure_leaves_no_open_door_and_no_secret_in_the_configs(secured: Secured) -> None:
+    props = dict(
+        line.split("=", 1)
+        for line in (secured.data_dir / "server.properties").read_text().splitlines()
+        if "=" in line
+    )
+    assert "PLAINTEXT" not in props["listeners"]  # every listener authenticates
+    assert props["super.users"] == "User:broker;User:operator"
+    assert props["allow.everyone.if.no.acl.found"] == "false"
+    assert props["authorizer.class.name"] == "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
+    run_dir = secured.data_dir / "secure" / "runs" / RUN
+    texts = (run_dir / "kafka.yaml").read_text() + (run_dir / "kafka-mtls.yaml").read_text()
+    secrets = [*run_dir.glob("*.password"), *(secured.data_dir / "secure").rglob("*.key")]
+    assert len(list(run_dir.glob("*.password"))) == len(ENROLLED)
+    for path in secrets:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+        assert path.read_text().strip() not in texts  # by reference only
+    assert secured.kafka.principals.actor == f"User:{RUN}-actor"
+    assert secured.kafka.for_role("actor").client_properties["sasl.username"] == f"{RUN}-actor"
+
+
+def test_the_actor_may_write_rollouts_but_not_training_batches(secured: Secured) -> None:
+    names = TopicNames(RUN)
+    for kafka in (secured.kafka, secured.mtls):  # SCRAM, then its certificate
+        producer = secured.transport("actor", kafka).producer("actor-test")
+        producer.produce(names[RAW_ROLLOUTS], b"x", key="k")
+        producer.flush(timeout=20)  # its own topic: allowed
+        producer.produce(names[TRAINING_BATCHES], b"steer the gradients", key="k")
+        with pytest.raises(KafkaError) as refused:
+            producer.flush(timeout=20)
+        assert (
+            f"Kafka refused User:{RUN}-actor WRITE on topic {names[TRAINING_BATCHES]} "
+            "(TOPIC_AUTHORIZATION_FAILED)" in str(refused.value)
+        )
+        assert "\n" not in str(refused.value)
+
+
+def test_a_verifier_may_not_take_a_transactional_id_or_read_weight_versions(secured: Secured) -> None:
+    names = TopicNames(RUN)
+    verifier = secured.transport("verifier")
+    for txn in (f"stream-rl.{RUN}.preprocessor.0", f"stream-rl.{RUN}.trainer.0"):
+        producer = verifier.producer("verifier-test", transactional_id=txn)
+        with pytest.raises(KafkaError, match=NO_ACL) as refused:
+            producer.init_transactions(timeout=20)
+        assert str(refused.value).startswith(
+            f"Kafka refused User:{RUN}-verifier WRITE on transactional id {txn} "
+            "(TRANSACTIONAL_ID_AUTHORIZATION_FAILED)"
+        )
+    consumer = verifier.consumer(names.group("verifier"), "verifier-test")
+    consumer.subscribe([names[WEIGHT_VERSIONS]])
+    with pytest.raises(KafkaError, match=NO_ACL) as refused:
+        for _ in range(40):
+            consumer.poll_batch(10, 0.5)
+    assert str(refused.value).startswith(
+        f"Kafka refused User:{RUN}-verifier READ on topic {names[WEIGHT_VERSIONS]} (TOPIC_AUTHORIZATION_FAILED)"
+    )
+
+
+def test_a_second_runs_principal_cannot_read_the_first_runs_topics(secured: Secured) -> None:
+    args = ["kafka", "up", "--secure", "--data-dir", str(secured.data_dir), "--run", OTHER_RUN, "--quiet"]
+    assert cli_main(args) == 0  # the running broker: only enrolls the second run
+    other = load_config(secured.data_dir / "secure" / "runs" / OTHER_RUN / "kafka.yaml").kafka
+    mine = TopicNames(RUN)
+    for role, topic in (("actor", PROBLEMS), ("trainer", TRAINING_BATCHES)):
+        consumer = secured.transport(role, other).consumer(TopicNames(OTHER_RUN).group(role), f"{role}-other")
+        consumer.subscribe([mine[topic]])
+        with pytest.raises(KafkaError, match=NO_ACL) as refused:
+            for _ in range(40):
+                consumer.poll_batch(10, 0.5)
+        assert str(refused.value).startswith(
+            f"Kafka refused User:{OTHER_RUN}-{role} READ on topic {mine[topic]} (TOPIC_AUTHORIZATION_FAILED)"
+        )
+
+
+def _refused(kafka: KafkaConfig, **props: str) -> str:
+    with pytest.raises(KafkaError) as refused:
+        check_reachable(kafka.bootstrap or "", 8, {**kafka.librdkafka_properties(), **props})
+    assert "\n" not in str(refused.value)
+    return str(refused.value)
+
+
+def test_no_credentials_a_wrong_password_and_strangers_certificates_are_refused(
+    secured: Secured, tmp_path: Path
+) -> None:
+    actor, mtls = secured.kafka.for_role("actor"), secured.mtls.for_role("actor")
+    bare = {"security.protocol": "SSL", "ssl.ca.location": actor.client_properties["ssl.ca.location"]}
+    no_sasl = KafkaConfig(bootstrap=actor.bootstrap, client_properties=bare)
+    assert "wants SASL credentials and we gave none" in _refused(no_sasl)
+    no_cert = KafkaConfig(bootstrap=mtls.bootstrap, client_properties=bare)
+    assert re.match(
+        r"Kafka at \S+ refused our TLS client certificate: .*alert.*\(as User:ANONYMOUS, no client certificate;",
+        _refused(no_cert),
+    )
+    wrong = _refused(actor, **{"sasl.password": "not-the-password"})
+    assert re.match(r"Kafka at \S+ refused our credentials: .*invalid credentials", wrong)
+    assert f"(as User:{RUN}-actor;" in wrong
+    foreign = Pki(tmp_path / "foreign-ca")
+    foreign.make_ca()
+    crt, key = foreign.issue("actor", f"{RUN}-actor")  # the right name, signed by a stranger
+    for cert, key_ in ((crt, key), secured.expired):
+        message = _refused(mtls, **{"ssl.certificate.location": str(cert), "ssl.key.location": str(key_)})
+        assert re.match(
+            rf"Kafka at \S+ refused our TLS client certificate: .*certificate unknown.*\(as User:{RUN}-actor, "
+            "a client certificate;",
+            message,
+        )
+
+
+def test_a_stage_command_with_a_wrong_password_exits_with_one_line(
+    secured: Secured, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = secured.data_dir / "secure" / "runs" / RUN
+    data = yaml.safe_load((run_dir / "kafka.yaml").read_text())
+    wrong = tmp_path / "wrong.password"
+    wrong.write_text("not-the-password")
+    data["kafka"]["credentials"]["loader"]["secret_properties"]["sasl.password"] = f"file:{wrong}"
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"run": RUN, **data}))
+    assert cli_main(["loader", "--config", str(path), "--max-records", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not-the-password" not in err
+    assert err.startswith("error: Kafka at ") and f"(as User:{RUN}-loader;" in err
