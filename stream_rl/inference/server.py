@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from stream_rl.common import heap
 from stream_rl.config import InferenceConfig, ModelConfig, format_validation_error
 from stream_rl.errors import ConfigError, StreamRLError
-from stream_rl.inference import guards, ipc_routes, lora_routes, openai_routes, weights_routes
+from stream_rl.inference import fault_hook, guards, ipc_routes, lora_routes, openai_routes, weights_routes
 from stream_rl.inference.context import APIError, ReceiverFactory, ServerContext, validation_message
 from stream_rl.inference.engine import SWAP_POLICIES, Engine, SwapPolicy
 from stream_rl.inference.metrics import ServerMetrics
@@ -150,6 +150,7 @@ def create_app(
     app.include_router(weights_routes.router)
     app.include_router(ipc_routes.router)
     app.include_router(lora_routes.router)
+    fault_hook.install(app)  # test-only, off unless $STREAM_RL_SERVER_FAULTS is set
     return app
 
 

@@ -1,0 +1,260 @@
+"""The nemesis (issue 36), one short run: every fault kind of `nemesis.py` once, one after another,
+in a run through the launcher (`launcher.restart: true`). Two hosts on this machine: the broker on
+the root network namespace, in a tmpfs of its own, and the compute host (launcher, stages,
+inference server) in a namespace joined to it by a veth pair, so the link between them can be cut
+and slowed. The faults, each once its predecessor recovered (the next weight version came):
+
+1. a pause (SIGSTOP) of 1-5 s of a process the seed picks (broker, trainer, server or a stage);
+2. a pause of the preprocessor past every Kafka timeout the run has: 35 s, longer than its
+   static-membership session (30 s: `outage_timeout_s` 30), the transaction timeout (15 s) and
+   librdkafka's request timeout (30 s); (the poll interval, 10 min, is not reached);
+3. the compute host cut from the broker for 5-8 s (every packet on the link dropped);
+4. the link slowed for 5-8 s (netem delay and loss, or tbf at 256 kbit/s with 5 % loss);
+5. the broker held to 10 % of a core (cgroup) for 8-12 s;
+6. the inference server answering 500 to every call for 4-6 s;
+7. the server accepting calls and never answering them for 5-7 s (the actor's request timeout: 4 s);
+8. the broker's disk full to the last byte for 8-12 s (Kafka halts on its failed log directory;
+   restarted once space is freed).
+
+Judged by the outside view (`chaos_checks.py`): 0 lost, 0 trained twice, groups whole, versions
+0..N gapless, every trained sample within max_lag + 1, the run went on and stopped cleanly; each fault happened (its
+evidence in the event log) and the run recovered within the bound stated per fault (`BOUNDS`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from chaos_checks import collect, none_trained_twice, nothing_lost, versions_gapless, within_lag_bound
+from nemesis import (
+    CpuLimit,
+    DiskFull,
+    Events,
+    Firewall,
+    Nemesis,
+    Netns,
+    Partition,
+    Pause,
+    ServerFault,
+    SlowLink,
+    Step,
+    seeded_seconds,
+    tmpfs,
+)
+from outside import Decoder, VersionWatch
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+REPO = Path(__file__).resolve().parents[2]
+TAG = f"{os.getpid() % 100000}"
+RUN = f"nemesis{TAG}"
+SEED = int(os.environ.get("NEMESIS_SEED", "36"))
+GROUP, PROBLEMS, STEP, MAX_LAG = 4, 24, 16, 1
+AFTER = 2
+"""Versions the run makes after the last fault healed; then the launcher is stopped (SIGTERM: a
+clean stop, exit 0). Versions come on during most faults, so no step budget fits every seed and
+machine: `max_steps` is out of reach and the stop ends the run."""
+OUTAGE_S = 30.0
+"""kafka.outage_timeout_s: also the static members' session (max(30 s, this))."""
+LONG_PAUSE_S = 35.0
+"""Past the static session (30 s), the transaction timeout (15 s) and the request timeout (30 s)."""
+REQUEST_TIMEOUT_S = 4.0
+PLAN_KINDS = (
+    "pause",
+    "long-pause",
+    "partition",
+    "slow-link",
+    "cpu-limit",
+    "server-500",
+    "server-hang",
+    "disk-full",
+)
+BOUNDS = {
+    "pause": 30.0,
+    "long-pause": 90.0,
+    "partition": 45.0,
+    "slow-link": 30.0,
+    "cpu-limit": 30.0,
+    "server-500": 30.0,
+    "server-hang": 30.0,
+    "disk-full": 120.0,
+}
+"""Seconds from a fault's end to the next weight version, at most (a loaded 2-core machine; the
+measured figures are in docs/faults.md). The long pause's stage is fenced and restarted by the
+launcher; the full disk's broker halts and is started again (10-60 s here) before anything moves."""
+
+
+def _pid(run_dir: Path, name: str) -> int:
+    return int(json.loads((run_dir / "processes.json").read_text())["pids"][name])
+
+
+@pytest.fixture(scope="module")
+def nemesis_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from stream_rl.inference.model_maker import make_model
+    from stream_rl.kafka.broker import LocalBroker, free_port
+
+    tmp = tmp_path_factory.mktemp("nemesis")
+    model = make_model(tmp / "tiny", "tiny", seed=0)
+    rng = random.Random(SEED)
+    net = Netns(TAG, subnet=20 + os.getpid() % 200).up()
+    firewall = Firewall(f"SRLNEM{TAG}", netns=net.name)
+    cpu: CpuLimit | None = None
+    run_dir = tmp / "runs" / RUN
+    switch = tmp / "server-faults"
+    with tmpfs(tmp / "kafka", size_mb=96) as kafka_dir:
+        broker = LocalBroker(kafka_dir, port=free_port(net.host_addr), host=net.host_addr)
+        proc: subprocess.Popen[bytes] | None = None
+        watch: VersionWatch | None = None
+        try:
+            bootstrap = broker.up(quiet=True).bootstrap
+            cfg = {
+                "run": RUN,
+                "runs_dir": str(tmp / "runs"),
+                "model": {"path": str(model)},
+                "kafka": {"bootstrap": bootstrap, "partitions": 2, "outage_timeout_s": OUTAGE_S},
+                "task": {"name": "arithmetic", "params": {"num_problems": PROBLEMS}},
+                "loader": {"epochs": 20},
+                "actor": {
+                    "group_size": GROUP,
+                    "max_lag": MAX_LAG,
+                    "sampling": {"max_tokens": 4},
+                    "request_timeout_s": REQUEST_TIMEOUT_S,
+                },
+                "inference": {"num_servers": 1, "base_port": free_port(), "max_batch": 32},
+                "trainer": {
+                    "samples_per_step": STEP,
+                    "max_steps": 1000,
+                    "bucket_mb": 1,
+                    "checkpoint_every": 4,
+                },
+                "launcher": {"restart": True, "max_restarts": 10, "max_wall_s": 500, "stall_timeout_s": 150},
+            }
+            path = tmp / "nemesis.yaml"
+            path.write_text(yaml.safe_dump(cfg))
+            log = open(tmp / "launcher.log", "w")  # noqa: SIM115 - closed below
+            proc = subprocess.Popen(
+                [*net.prefix(), sys.executable, "-m", "stream_rl.cli", "run", str(path)],
+                cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "STREAM_RL_SERVER_FAULTS": str(switch)},
+            )  # fmt: skip
+            watch = VersionWatch(bootstrap, RUN, Decoder())
+
+            def broker_pid() -> int:
+                st = broker.running()
+                assert st is not None, "the broker does not run"
+                return st.pid
+
+            def restart() -> None:
+                broker.down(quiet=True, timeout=10)  # reaps a halted JVM; a no-op if it is gone
+                broker.up(quiet=True)
+
+            short = rng.choice(["broker", "trainer", "server-0", "actor-0", "verifier-0"])
+            cpu = CpuLimit("broker cpu 10 %", broker_pid, 0.1, group=f"srl-nemesis-{TAG}")
+            host, port = net.host_addr, broker.port
+            plan = [
+                Step(Pause(f"pause {short}", (lambda: broker_pid()) if short == "broker" else (lambda: _pid(run_dir, short))), seeded_seconds(rng, 1, 5), BOUNDS["pause"]),
+                Step(Pause("pause preprocessor-0 past every timeout", lambda: _pid(run_dir, "preprocessor-0")), LONG_PAUSE_S, BOUNDS["long-pause"]),
+                Step(Partition("compute host cut from the broker", firewall, netns=net, probe=lambda: net.connects(host, port)), seeded_seconds(rng, 5, 8), BOUNDS["partition"]),
+                Step(SlowLink("slow link actor host - broker", firewall, netns=net), seeded_seconds(rng, 5, 8), BOUNDS["slow-link"]),
+                Step(cpu, seeded_seconds(rng, 8, 12), BOUNDS["cpu-limit"]),
+                Step(ServerFault("server answers 500", switch, "500"), seeded_seconds(rng, 4, 6), BOUNDS["server-500"]),
+                Step(ServerFault("server hangs mid-call", switch, "hang"), seeded_seconds(rng, 5, 7), BOUNDS["server-hang"]),
+                Step(DiskFull("broker disk full", kafka_dir, lambda: broker.running() is not None, restart), seeded_seconds(rng, 8, 12), BOUNDS["disk-full"]),
+            ]  # fmt: skip
+            events = Events(tmp / "nemesis-events.jsonl")
+            assert watch is not None
+            started = time.monotonic()
+            nemesis = Nemesis(events, watch.poll, lambda: proc is not None and proc.poll() is not None)
+            nemesis.run(plan)
+            faults_s = round(time.monotonic() - started, 1)
+            last = watch.poll()
+            nemesis.wait_version(last + AFTER - 1, 120)
+            stopped_at = watch.poll()
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(120)
+            log.close()
+            data = collect(bootstrap, RUN, Decoder())
+        finally:
+            if watch is not None:
+                watch.close()
+            if cpu is not None:
+                cpu.close()
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            broker.down(quiet=True, timeout=10)
+            firewall.close()
+            net.close()
+    data.update(
+        {
+            "rc": proc.returncode,
+            "log": (tmp / "launcher.log").read_text(errors="replace"),
+            "steps": [(s.fault.kind, s.fault.name, s.seconds, s.recover_s, s.result) for s in plan],
+            "events": events.events,
+            "faults_s": faults_s,
+            "stopped_at": stopped_at,
+        }
+    )
+    print(json.dumps({"seed": SEED, "faults_s": faults_s, "events": events.events}, default=str))
+    return data
+
+
+def test_the_run_went_on_through_every_fault_and_stopped_cleanly(nemesis_run: dict[str, Any]) -> None:
+    assert nemesis_run["rc"] == 0, nemesis_run["log"][-4000:]
+    last = max(wv["version"] for wv in nemesis_run["weight-versions"])
+    recovered = [s[4]["version"] for s in nemesis_run["steps"] if s[4]]
+    assert recovered and last >= max(v or 0 for v in recovered) + AFTER - 1, (last, recovered)
+    versions_gapless(nemesis_run, last)
+
+
+def test_each_fault_happened_and_the_run_recovered_within_its_bound(nemesis_run: dict[str, Any]) -> None:
+    steps = nemesis_run["steps"]
+    for kind, name, _seconds, bound, result in steps:
+        assert result, f"{name}: never injected (the run ended first): {nemesis_run['log'][-2000:]}"
+        start, end = result["start"], result["end"]
+        if kind == "pause":
+            assert start["state"] in "Tt", (name, start)
+        elif kind == "partition":
+            assert not start["connects_during"] and end["connects_after"] and end["packets_dropped"] > 0, end
+        elif kind == "slow-link":
+            assert end["packets_dropped"] + end.get("qdisc_dropped_or_overlimits", 0) > 0, end
+        elif kind == "cpu-limit":
+            assert end["nr_throttled"] > 0, end
+        elif kind.startswith("server-"):
+            assert end["calls_met"] > 0, (name, end)
+        elif kind == "disk-full":
+            assert start["bytes_free"] == 0, start
+        assert result["recovered_s"] is not None and result["recovered_s"] <= bound, (name, result, bound)
+
+
+def test_the_long_pause_outlasted_the_session_and_the_stage_came_back(nemesis_run: dict[str, Any]) -> None:
+    """35 s stopped: the broker's session for the static member (30 s) expired; the stage was
+    fenced or carried on, and the preprocessor's work was all batched (below)."""
+    (long,) = [s for s in nemesis_run["steps"] if "past every timeout" in s[1]]
+    result = long[4]
+    assert result["end"]["t"] - result["start"]["t"] >= LONG_PAUSE_S > OUTAGE_S
+
+
+def test_nothing_lost_under_the_nemesis(nemesis_run: dict[str, Any]) -> None:
+    nothing_lost(nemesis_run, GROUP)
+
+
+def test_nothing_trained_twice_under_the_nemesis(nemesis_run: dict[str, Any]) -> None:
+    none_trained_twice(nemesis_run, GROUP, at_least=len(PLAN_KINDS) * STEP)
+
+
+def test_every_trained_sample_within_the_lag_bound_under_the_nemesis(nemesis_run: dict[str, Any]) -> None:
+    within_lag_bound(nemesis_run, MAX_LAG)
