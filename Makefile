@@ -112,7 +112,7 @@ unit: setup
 
 # The documentation site (mkdocs.yml): strict, so a link to a missing page or anchor fails it.
 docs: setup
-	@NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+	@NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 	@echo "docs: built into site/ (open site/index.html, or make docs-serve)"
 
 docs-serve: setup
