@@ -156,15 +156,20 @@ class InferenceConfig(Model):
         """Whether launched servers bind an address other hosts can reach."""
         return self.host.strip("[]") not in LOOPBACK_HOSTS
 
+    def launched_port(self, index: int) -> int:
+        """The port of launched server `index` (`server-<index>`): `base_port + index`."""
+        return self.base_port + index
+
+    def launched_url(self, index: int) -> str:
+        """The URL of launched server `index`."""
+        return f"http://{self.host}:{self.launched_port(index)}"
+
     def server_list(self) -> list[ServerConfig]:
-        """The run's servers: `servers` when set, else the `num_servers` the launcher starts at
-        `http://{host}:{base_port + i}`, each with its engine resolved."""
+        """The run's servers: `servers` when set, else the `num_servers` the launcher starts
+        (`launched_url`), each with its engine resolved."""
         if self.servers:
             return [ServerConfig(url=s.url, engine=s.engine or self.engine) for s in self.servers]
-        return [
-            ServerConfig(url=f"http://{self.host}:{self.base_port + i}", engine=self.engine)
-            for i in range(self.num_servers)
-        ]
+        return [ServerConfig(url=self.launched_url(i), engine=self.engine) for i in range(self.num_servers)]
 
     def server_urls(self) -> list[str]:
         return [s.url for s in self.server_list()]

@@ -90,7 +90,7 @@ def vllm_python(config: RunConfig) -> str:
 def launch_for(config: RunConfig, index: int) -> ServerLaunch:
     """The command and environment of launched server `index` (port `base_port + index`)."""
     inf = config.inference
-    port = str(inf.base_port + index)
+    port = str(inf.launched_port(index))
     seed = str(config.seed + index)
     if inf.engine == "builtin":
         return ServerLaunch(

@@ -175,7 +175,7 @@ class Scaling:
                 have = self._replicas("server")
                 start = _index(have[-1]) + 1 if have else 0
                 for index in range(start, start + max(0, n - len(have))):
-                    port = cfg.inference.base_port + index
+                    port = cfg.inference.launched_port(index)
                     if not port_is_free(port, cfg.inference.host):
                         raise StreamRLError(f"server={n}: port {port} for server-{index} is taken")
 

@@ -79,8 +79,7 @@ class Supervision:
 
     def server_url(self, index: int) -> str:
         """The URL of launched server `index`."""
-        inf = self.config.inference
-        return f"http://{inf.host}:{inf.base_port + index}"
+        return self.config.inference.launched_url(index)
 
     def server_urls(self) -> list[str]:
         """The run's servers now: the configured ones, or the launched ones (`scale` changes them)."""
@@ -147,7 +146,7 @@ class Supervision:
         for child in self.children:
             if child.role != "server":
                 continue
-            port = inf.base_port + int(child.name.rsplit("-", 1)[1])
+            port = inf.launched_port(int(child.name.rsplit("-", 1)[1]))
             if not port_is_free(port, inf.host):
                 raise StreamRLError(
                     f"port {port} for {child.name} is taken (another run's server?): "
