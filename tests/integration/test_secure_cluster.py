@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 import stat
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,9 +25,18 @@ from stream_rl.kafka.broker import LocalBroker, free_port, port_is_free
 from stream_rl.kafka.client import KafkaTransport
 from stream_rl.kafka.probe import check_reachable
 from stream_rl.kafka.secure import ENROLLED, Pki, secure_listeners
-from stream_rl.kafka.topics import PROBLEMS, RAW_ROLLOUTS, TRAINING_BATCHES, WEIGHT_VERSIONS, TopicNames
+from stream_rl.kafka.topics import (
+    PROBLEMS,
+    RAW_ROLLOUTS,
+    SCORED,
+    TRAINING_BATCHES,
+    WEIGHT_VERSIONS,
+    TopicNames,
+)
 
 pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
 
 RUN = f"sec{uuid.uuid4().hex[:6]}"
 OTHER_RUN = f"oth{uuid.uuid4().hex[:6]}"
@@ -207,3 +218,58 @@ def test_a_stage_command_with_a_wrong_password_exits_with_one_line(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not-the-password" not in err
     assert err.startswith("error: Kafka at ") and f"(as User:{RUN}-loader;" in err
+
+
+@pytest.mark.e2e
+def test_a_whole_run_finishes_with_each_stage_on_its_own_principal(secured: Secured, tmp_path: Path) -> None:
+    """`kafka up --secure --config` on the running broker enrolls a third run and writes its run
+    config; `stream-rl run` is given it without the operator's credentials (no process of the run
+    may fall back to the super user). It finishes; each stage's config names only its own user;
+    the counts are read from the topics."""
+    from stream_rl.inference.model_maker import make_model
+    from stream_rl.train.lineage import read_weight_versions
+
+    run = f"whole{uuid.uuid4().hex[:6]}"
+    base = {
+        "run": run,
+        "runs_dir": str(tmp_path / "runs"),
+        "model": {"path": str(make_model(tmp_path / "tiny", "tiny", seed=0))},
+        "kafka": {"partitions": 2},
+        "task": {"name": "arithmetic", "params": {"num_problems": 100}},
+        "actor": {"group_size": 4, "max_lag": 1, "sampling": {"max_tokens": 4}},
+        "inference": {"num_servers": 1, "base_port": free_port(), "max_batch": 32},
+        "trainer": {"samples_per_step": 8, "max_steps": 3, "bucket_mb": 1, "checkpoint_every": 3},
+        "launcher": {"max_wall_s": 120},
+    }
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    up = ["kafka", "up", "--secure", "--data-dir", str(secured.data_dir), "--quiet"]
+    assert cli_main([*up, "--config", str(tmp_path / "base.yaml")]) == 0
+    run_yaml = secured.data_dir / "secure" / "runs" / run / "run.yaml"
+    config = yaml.safe_load(run_yaml.read_text())
+    del config["kafka"]["credentials"]["operator"]
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    proc = subprocess.run(
+        [sys.executable, "-m", "stream_rl.cli", "run", str(tmp_path / "run.yaml")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    for name in ("loader", "actor-0", "verifier-0", "preprocessor-0", "trainer"):
+        seen = load_config(tmp_path / "runs" / run / name / "config.yaml").kafka
+        role = name.split("-")[0]
+        assert seen.credentials == {}
+        assert seen.client_properties["sasl.username"] == f"{run}-{role}"
+        assert seen.secret_properties == {"sasl.password": f"file:{run_yaml.parent / role}.password"}
+    operator = KafkaTransport.for_run(load_config(run_yaml).kafka)  # the operator reads the counts
+    names = TopicNames(run)
+    lineage = read_weight_versions(operator, names)
+    assert lineage[-1].version == 3 and lineage[-1].samples_trained >= 3 * 8
+    counts = {
+        t: sum(high - low for low, high in operator.watermarks(names[t]).values())
+        for t in (PROBLEMS, RAW_ROLLOUTS, SCORED, TRAINING_BATCHES)
+    }
+    assert counts[PROBLEMS] > 0 and counts[TRAINING_BATCHES] > 0
+    assert counts[RAW_ROLLOUTS] >= 3 * 8 and counts[SCORED] >= 3 * 8
