@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 import confluent_kafka as ck
 from pydantic import SecretStr
@@ -89,7 +89,7 @@ def principal(properties: Properties | None) -> str:
     return "User:ANONYMOUS"
 
 
-def is_refusal(err: object) -> bool:
+def is_refusal(err: object) -> TypeGuard[ck.KafkaError]:
     return isinstance(err, ck.KafkaError) and err.code() in REFUSED_RESOURCE
 
 

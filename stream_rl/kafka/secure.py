@@ -311,7 +311,12 @@ def kafka_section(listeners: SecureListeners, run: str, prefix: str, *, mtls: bo
 def enroll(listeners: SecureListeners, run: str, prefix: str, base_config: Path | None = None) -> Enrollment:
     """Users, certificates, ACLs and config files of run `run` (idempotent: existing passwords and
     certificates are kept, missing ACLs created). Connects as the operator."""
-    from confluent_kafka.admin import ScramCredentialInfo, ScramMechanism, UserScramCredentialUpsertion
+    from confluent_kafka.admin import (
+        ScramCredentialInfo,
+        ScramMechanism,
+        UserScramCredentialAlteration,
+        UserScramCredentialUpsertion,
+    )
 
     from stream_rl.config import KafkaConfig
     from stream_rl.kafka.acl_admin import KafkaAcls, apply_acls
@@ -325,7 +330,7 @@ def enroll(listeners: SecureListeners, run: str, prefix: str, base_config: Path 
     # As the operator (a super user), with the section written into the run's config.
     admin = KafkaTransport.for_run(KafkaConfig.model_validate(section)).admin
     info = ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, SCRAM_ITERATIONS)
-    upserts = []
+    upserts: list[UserScramCredentialAlteration] = []
     for role in ENROLLED:
         pw_file = run_dir / f"{role}.password"
         if not pw_file.exists():
