@@ -4,16 +4,19 @@ the root network namespace, in a tmpfs of its own, and the compute host (launche
 inference server) in a namespace joined to it by a veth pair, so the link between them can be cut
 and slowed. The faults, each once its predecessor recovered (the next weight version came):
 
-1. a pause (SIGSTOP) of 1-5 s of a process the seed picks (broker, trainer, server or a stage);
-2. a pause of the preprocessor past every Kafka timeout the run has: 35 s, longer than its
+1. a pause (SIGSTOP) of 1-5 s of a process the seed picks (the broker, the trainer or a stage);
+2. the inference server paused 12 s: past the actor's request timeout (4 s) and the trainer's update
+   deadline (6 s), so it can be marked down and set aside as stale at once (the pair that once
+   stalled a run for good);
+3. a pause of the preprocessor past every Kafka timeout the run has: 35 s, longer than its
    static-membership session (30 s: `outage_timeout_s` 30), the transaction timeout (15 s) and
    librdkafka's request timeout (30 s); (the poll interval, 10 min, is not reached);
-3. the compute host cut from the broker for 5-8 s (every packet on the link dropped);
-4. the link slowed for 5-8 s (netem delay and loss, or tbf at 256 kbit/s with 5 % loss);
-5. the broker held to 10 % of a core (cgroup) for 8-12 s;
-6. the inference server answering 500 to every call for 4-6 s;
-7. the server accepting calls and never answering them for 5-7 s (the actor's request timeout: 4 s);
-8. the broker's disk full to the last byte for 8-12 s (Kafka halts on its failed log directory;
+4. the compute host cut from the broker for 5-8 s (every packet on the link dropped);
+5. the link slowed for 5-8 s (netem delay and loss, or tbf at 256 kbit/s with 5 % loss);
+6. the broker held to 10 % of a core (cgroup) for 8-12 s;
+7. the inference server answering 500 to every call for 4-6 s;
+8. the server accepting calls and never answering them for 5-7 s (the actor's request timeout: 4 s);
+9. the broker's disk full to the last byte for 8-12 s (Kafka halts on its failed log directory;
    restarted once space is freed).
 
 Judged by the outside view (`chaos_checks.py`): 0 lost, 0 trained twice, groups whole, versions
@@ -26,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -69,6 +73,11 @@ OUTAGE_S = 30.0
 LONG_PAUSE_S = 35.0
 """Past the static session (30 s), the transaction timeout (15 s) and the request timeout (30 s)."""
 REQUEST_TIMEOUT_S = 4.0
+UPDATE_TIMEOUT_S = 6.0
+SERVER_PAUSE_S = 12.0
+"""The server's pause: past the actor's request timeout (its calls fail: marked down) and the
+trainer's update deadline (a push meeting it drops it: set aside as stale), the pair of states
+that once left a server out of routing for good (issue 36, fixed in 10811a8)."""
 PLAN_KINDS = (
     "pause",
     "long-pause",
@@ -158,11 +167,12 @@ def nemesis_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 broker.down(quiet=True, timeout=10)  # reaps a halted JVM; a no-op if it is gone
                 broker.up(quiet=True)
 
-            short = rng.choice(["broker", "trainer", "server-0", "actor-0", "verifier-0"])
+            short = rng.choice(["broker", "trainer", "actor-0", "verifier-0", "preprocessor-0"])
             cpu = CpuLimit("broker cpu 10 %", broker_pid, 0.1, group=f"srl-nemesis-{TAG}")
             host, port = net.host_addr, broker.port
             plan = [
                 Step(Pause(f"pause {short}", (lambda: broker_pid()) if short == "broker" else (lambda: _pid(run_dir, short))), seeded_seconds(rng, 1, 5), BOUNDS["pause"]),
+                Step(Pause("pause server-0 past its deadlines", lambda: _pid(run_dir, "server-0")), SERVER_PAUSE_S, BOUNDS["pause"]),
                 Step(Pause("pause preprocessor-0 past every timeout", lambda: _pid(run_dir, "preprocessor-0")), LONG_PAUSE_S, BOUNDS["long-pause"]),
                 Step(Partition("compute host cut from the broker", firewall, netns=net, probe=lambda: net.connects(host, port)), seeded_seconds(rng, 5, 8), BOUNDS["partition"]),
                 Step(SlowLink("slow link actor host - broker", firewall, netns=net), seeded_seconds(rng, 5, 8), BOUNDS["slow-link"]),
@@ -196,6 +206,8 @@ def nemesis_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 except subprocess.TimeoutExpired:
                     proc.kill()
             broker.down(quiet=True, timeout=10)
+            if (kafka_dir / "broker.log").is_file():  # the tmpfs goes with the block
+                shutil.copy(kafka_dir / "broker.log", tmp / "broker.log")
             firewall.close()
             net.close()
     data.update(
@@ -206,6 +218,9 @@ def nemesis_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "events": events.events,
             "faults_s": faults_s,
             "stopped_at": stopped_at,
+            "stage_logs": {
+                p.parent.name: p.read_text(errors="replace") for p in sorted(run_dir.glob("*/stdout.log"))
+            },
         }
     )
     print(json.dumps({"seed": SEED, "faults_s": faults_s, "events": events.events}, default=str))
