@@ -199,6 +199,12 @@ def add_acls_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", action="store_true", help="plan: print the rows as JSON")
     p.add_argument(
+        "--strimzi",
+        metavar="CLUSTER",
+        default=None,
+        help="plan: print one Strimzi KafkaUser per principal (of the Kafka resource CLUSTER) instead",
+    )
+    p.add_argument(
         "--delete-extra",
         action="store_true",
         help="apply: also delete the bindings on the run's resources that the plan does not hold",
@@ -215,6 +221,11 @@ def main_acls(args: argparse.Namespace) -> int:
     names = TopicNames(run=cfg.run, prefix=cfg.kafka.prefix)
     rows = plan_acls(names, cfg.kafka.principals.model_dump())
     if args.action == "plan":
+        if args.strimzi:
+            from stream_rl.kafka.strimzi import users_yaml
+
+            print(users_yaml(rows, args.strimzi), end="")
+            return 0
         print(plan_json(rows) if args.json else plan_table(rows))
         return 0
     from stream_rl.kafka.client import KafkaTransport

@@ -97,7 +97,9 @@ def test_the_run_config_loads_and_is_cluster_grade() -> None:
     cfg = run_config()
     assert (cfg.kafka.replication_factor, cfg.kafka.min_insync_replicas) == (3, 2)
     assert cfg.kafka.client_properties["security.protocol"] == "SASL_SSL"
-    assert set(cfg.kafka.secret_properties.values()) == {"file:/etc/kafka-user/password"}
+    assert cfg.kafka.secret_properties == {}  # each kind's own secret is in kafka.credentials
+    for creds in cfg.kafka.credentials.values():
+        assert creds.secret_properties == {"sasl.password": "file:/etc/kafka-user/password"}
 
 
 def test_kafka_cluster_matches_the_client_config() -> None:
@@ -114,13 +116,10 @@ def test_kafka_cluster_matches_the_client_config() -> None:
     assert sum(p["spec"]["replicas"] for p in pools if "broker" in p["spec"]["roles"]) >= (
         cfg.kafka.replication_factor or 1
     )
-    user = by_kind("KafkaUser")[cfg.kafka.client_properties["sasl.username"]]
-    assert user["spec"]["authentication"]["type"] == "scram-sha-512"
-    prefixes = {
-        a["resource"]["name"] for a in user["spec"]["authorization"]["acls"] if "name" in a["resource"]
-    }
-    assert prefixes == {f"{cfg.kafka.prefix}."}
-    for obj in [*by_kind("KafkaTopic").values(), *pools, user]:
+    users = list(by_kind("KafkaUser").values())
+    for user in users:
+        assert user["spec"]["authentication"]["type"] == "scram-sha-512"
+    for obj in [*by_kind("KafkaTopic").values(), *pools, *users]:
         assert obj["metadata"]["labels"]["strimzi.io/cluster"] == kafka["metadata"]["name"]
 
 
@@ -205,6 +204,23 @@ def _mounted_from(spec: dict[str, Any], path: str) -> tuple[str, str]:
     raise AssertionError(f"{path} is not mounted")
 
 
+def _kind(spec: dict[str, Any]) -> str:
+    """The kind of process a pod runs as on Kafka: its stage, else the operator (`topics`, `servers`)."""
+    command = spec["containers"][0]["args"][0]
+    return command if command in run_config().kafka.credentials else "operator"
+
+
+def _own_secret_is_mounted(spec: dict[str, Any], name: str) -> None:
+    """The pod mounts the Secret of its own kind's KafkaUser where its credentials name the
+    password, and no other KafkaUser's Secret."""
+    kafka = run_config().kafka.for_role(_kind(spec))
+    secret = _mounted_from(spec, kafka.secret_properties["sasl.password"].removeprefix("file:"))
+    assert secret == (kafka.client_properties["sasl.username"], "password"), name
+    users = set(by_kind("KafkaUser"))
+    mounted = {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v} & users
+    assert mounted == {kafka.client_properties["sasl.username"]}, name
+
+
 def test_every_path_the_config_names_is_mounted() -> None:
     cfg = run_config()
     claims = set(by_kind("PersistentVolumeClaim"))
@@ -214,8 +230,7 @@ def test_every_path_the_config_names_is_mounted() -> None:
         assert _mounted_from(spec, "/etc/stream-rl/run.yaml") == ("stream-rl-run", "run.yaml"), name
         ca = _mounted_from(spec, cfg.kafka.client_properties["ssl.ca.location"])
         assert ca == ("stream-rl-cluster-ca-cert", "ca.crt"), name
-        secret = _mounted_from(spec, cfg.kafka.secret_properties["sasl.password"].removeprefix("file:"))
-        assert secret == (cfg.kafka.client_properties["sasl.username"], "password"), name
+        _own_secret_is_mounted(spec, name)
         for volume in spec["volumes"]:
             if "persistentVolumeClaim" in volume:
                 assert volume["persistentVolumeClaim"]["claimName"] in claims
@@ -287,8 +302,24 @@ def test_server_pods_join_and_leave_the_run_from_their_hooks() -> None:
     assert spec["terminationGracePeriodSeconds"] > leave.timeout_s  # the drain ends before SIGKILL
     ca = _mounted_from(spec, cfg.kafka.client_properties["ssl.ca.location"])
     assert ca == ("stream-rl-cluster-ca-cert", "ca.crt")
-    secret = _mounted_from(spec, cfg.kafka.secret_properties["sasl.password"].removeprefix("file:"))
-    assert secret == (cfg.kafka.client_properties["sasl.username"], "password")
+    _own_secret_is_mounted(spec, "stream-rl-server")  # the hooks run `servers` as the operator
+
+
+def test_kafka_users_are_the_acl_plan_of_the_run() -> None:
+    """users.yaml is what `stream-rl acls plan --strimzi` prints for the run: one KafkaUser per
+    kind of process, named as its principal, with exactly its planned rights; every kind with a
+    pod has credentials, and those name its principal."""
+    from stream_rl.kafka.acls import plan_acls
+    from stream_rl.kafka.strimzi import kafka_users
+
+    cfg = run_config()
+    (kafka,) = by_kind("Kafka").values()
+    rows = plan_acls(TopicNames(run=cfg.run, prefix=cfg.kafka.prefix), cfg.kafka.principals.model_dump())
+    assert list(by_kind("KafkaUser").values()) == kafka_users(rows, kafka["metadata"]["name"])
+    for name, spec in pod_specs().items():
+        kind = _kind(spec)
+        own = cfg.kafka.for_role(kind).client_properties["sasl.username"]
+        assert getattr(cfg.kafka.principals, kind) == f"User:{own}", name
 
 
 def test_keda_scales_the_servers_on_the_occupancy_the_launcher_policy_uses() -> None:
