@@ -76,8 +76,10 @@ def moved(new: torch.Tensor, held: torch.Tensor, threshold: float) -> bool:
     """Whether `new` differs from `held` beyond `threshold` (0: any byte; NaN always counts)."""
     if threshold == 0:
         return not torch.equal(tensor_bytes(new), tensor_bytes(held))
-    diff = (new.float() - held.float()).abs()
-    return not bool((diff <= threshold).all())
+    if new.numel() == 0:
+        return False
+    diff = new.to(torch.float32, copy=True).sub_(held).abs_()  # never in place on the trainer's tensor
+    return not bool(diff.amax() <= threshold)  # amax propagates NaN, and NaN <= t is False
 
 
 class HeldWeights:

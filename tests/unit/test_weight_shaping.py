@@ -63,6 +63,7 @@ def test_threshold_zero_sees_every_bit_and_nan_always_counts() -> None:
     assert moved(torch.tensor([float("nan"), 1.0]), zero, 0.5)
     assert not moved(torch.tensor([0.25, 1.25]), zero, 0.25)
     assert moved(torch.tensor([0.25, 1.2501]), zero, 0.25)
+    assert not moved(torch.zeros(0), torch.zeros(0), 0.1) and not moved(torch.zeros(0), torch.zeros(0), 0.0)
 
 
 def test_held_weights_advance_only_what_moved_and_restart_on_a_new_layout() -> None:
