@@ -127,6 +127,12 @@ def run_api_key(config: RunConfig) -> str | None:
     return secrets.token_urlsafe(32)
 
 
+FORK_SERVER = "fork-server"
+"""`child_env`'s role for the fork server: no kind of process, so none of their secrets (a forked
+stage's /proc/<pid>/environ shows the server's initial environment; `spawn` sets its own secret in
+its os.environ)."""
+
+
 def others_secret_env(config: RunConfig, role: str | None) -> set[str]:
     """The environment variables `kafka.credentials` names as secrets (`${NAME}`) of kinds of process
     other than `role` and not of `role` itself nor shared (`kafka.secret_properties`): left out of

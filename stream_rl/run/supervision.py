@@ -18,7 +18,7 @@ from stream_rl.config import RunConfig
 from stream_rl.contracts import WeightVersionKind
 from stream_rl.errors import StreamRLError
 from stream_rl.kafka.stage import StopFlag
-from stream_rl.run.children import Child, child_env, child_index, die_with_parent
+from stream_rl.run.children import FORK_SERVER, Child, child_env, child_index, die_with_parent
 from stream_rl.run.watchdog import Watchdog
 
 if TYPE_CHECKING:
@@ -99,7 +99,9 @@ class Supervision:
         if cfg.launcher.fork_stages == "off" or not on_cpu or not forkserver.available():
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        env = child_env(self.config, self.admin_token, self.api_key)
+        # No kind's Kafka secret: a forked stage's /proc/<pid>/environ shows the server's initial
+        # environment (its own secret is set in os.environ by `spawn`).
+        env = child_env(self.config, self.admin_token, self.api_key, role=FORK_SERVER)
         log = self.run_dir / "forkserver.log"
         self._fork_server = forkserver.ForkServer.start(env, log, cfg.model.path)
         print(

@@ -6,10 +6,13 @@ broker; every refusal reaches the user as one line naming the principal and the 
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import stat
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -220,12 +223,41 @@ def test_a_stage_command_with_a_wrong_password_exits_with_one_line(
     assert err.startswith("error: Kafka at ") and f"(as User:{RUN}-loader;" in err
 
 
+def _stage_environments(processes: Path, proc: subprocess.Popen[str], passwords: dict[str, str]) -> set[str]:
+    """Reads each running stage's /proc/<pid>/environ (pids from the launcher's processes.json)
+    until the long-running kinds were all seen or the run ends; asserts none holds another kind's
+    variable or password. Returns the kinds checked."""
+    checked: set[str] = set()
+    wanted = {"actor", "verifier", "preprocessor", "trainer"}
+    while proc.poll() is None and not wanted <= checked:
+        try:
+            pids = json.loads(processes.read_text()).get("pids", {})
+        except (OSError, ValueError):
+            pids = {}
+        for name, pid in pids.items():
+            kind = name.split("-")[0]
+            if kind not in passwords or kind in checked:
+                continue
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+            except OSError:
+                continue  # it ended meanwhile
+            for other, pw in passwords.items():
+                if other != kind:
+                    assert f"SECTEST_PW_{other.upper()}=" not in environ, (name, other)
+                    assert pw not in environ, (name, other)
+            checked.add(kind)
+        time.sleep(0.2)  # polling a file another process rewrites: nothing to wait on
+    return checked
+
+
 @pytest.mark.e2e
 def test_a_whole_run_finishes_with_each_stage_on_its_own_principal(secured: Secured, tmp_path: Path) -> None:
     """`kafka up --secure --config` on the running broker enrolls a third run and writes its run
     config; `stream-rl run` is given it without the operator's credentials (no process of the run
-    may fall back to the super user). It finishes; each stage's config names only its own user;
-    the counts are read from the topics."""
+    may fall back to the super user), each password as an environment variable of the launcher.
+    While it runs, no stage's process environment holds another kind's variable or password; it
+    finishes; each stage's config names only its own user; the counts are read from the topics."""
     from stream_rl.inference.model_maker import make_model
     from stream_rl.train.lineage import read_weight_versions
 
@@ -247,22 +279,31 @@ def test_a_whole_run_finishes_with_each_stage_on_its_own_principal(secured: Secu
     run_yaml = secured.data_dir / "secure" / "runs" / run / "run.yaml"
     config = yaml.safe_load(run_yaml.read_text())
     del config["kafka"]["credentials"]["operator"]
+    passwords = {}
+    for role, creds in config["kafka"]["credentials"].items():
+        passwords[role] = (run_yaml.parent / f"{role}.password").read_text()
+        creds["secret_properties"]["sasl.password"] = f"${{SECTEST_PW_{role.upper()}}}"
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    proc = subprocess.run(
+    env = {**os.environ, **{f"SECTEST_PW_{r.upper()}": pw for r, pw in passwords.items()}}
+    with subprocess.Popen(
         [sys.executable, "-m", "stream_rl.cli", "run", str(tmp_path / "run.yaml")],
         cwd=REPO,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        env=env,
+    ) as proc:
+        checked = _stage_environments(tmp_path / "runs" / run / "processes.json", proc, passwords)
+        out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out[-4000:]
+    assert {"actor", "verifier", "preprocessor", "trainer"} <= checked
 
     for name in ("loader", "actor-0", "verifier-0", "preprocessor-0", "trainer"):
         seen = load_config(tmp_path / "runs" / run / name / "config.yaml").kafka
         role = name.split("-")[0]
         assert seen.credentials == {}
         assert seen.client_properties["sasl.username"] == f"{run}-{role}"
-        assert seen.secret_properties == {"sasl.password": f"file:{run_yaml.parent / role}.password"}
+        assert seen.secret_properties == {"sasl.password": f"${{SECTEST_PW_{role.upper()}}}"}
     operator = KafkaTransport.for_run(load_config(run_yaml).kafka)  # the operator reads the counts
     names = TopicNames(run)
     lineage = read_weight_versions(operator, names)

@@ -13,7 +13,7 @@ from stream_rl.config import load_config
 from stream_rl.errors import ConfigError
 from stream_rl.kafka.acls import STAGES
 from stream_rl.kafka.stage import StopFlag
-from stream_rl.run.children import child_env
+from stream_rl.run.children import FORK_SERVER, child_env
 from stream_rl.run.launch import Launcher
 
 pytestmark = pytest.mark.unit
@@ -123,3 +123,5 @@ def test_the_launcher_gives_each_stage_its_own_secret_only(
                 )
                 assert f"KAFKA_PW_{other.upper()}" not in env  # nor its secret in the environment
                 assert f"pw-of-{other}" not in env.values()
+    forks = child_env(launcher.config, role=FORK_SERVER)  # the stages' parent when they are forked
+    assert not [k for k in forks if k.startswith("KAFKA_PW_")]
