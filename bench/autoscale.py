@@ -64,8 +64,9 @@ def config_for(args: argparse.Namespace, variant: str, run: str, bootstrap: str)
         launcher["autoscale"] = {
             "enabled": True,
             "cooldown_s": args.cooldown,
-            "sustain": 2,
+            "sustain": args.sustain,
             "servers": {"min": 1, "max": 3},
+            "thresholds": {"occupancy_high": args.occupancy_high, "trainer_starved": args.trainer_starved},
         }
     return {
         "run": run,
@@ -253,7 +254,10 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
             )
     top.set(ylabel="samples trained", title="shifting load: short problems, then long (dotted: the switch)")
     top.legend()
-    bottom.set(xlabel="seconds since version 0", ylabel="servers", ylim=(0, 3.6))
+    bottom.set(
+        xlabel="seconds since version 0", ylabel="servers", ylim=(0, 3.6),
+        title="servers (line: in force; marker: the decision, labelled with its signal)",
+    )  # fmt: skip
     bottom.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -273,6 +277,13 @@ def main() -> int:
     ap.add_argument("--long-terms", type=int, default=40, help="median terms of the long problems")
     ap.add_argument("--long-max-terms", type=int, default=96)
     ap.add_argument("--cooldown", type=float, default=20.0, help="launcher.autoscale.cooldown_s")
+    ap.add_argument("--sustain", type=int, default=2, help="launcher.autoscale.sustain")
+    ap.add_argument(
+        "--occupancy-high", type=float, default=0.6, help="launcher.autoscale.thresholds.occupancy_high"
+    )
+    ap.add_argument(
+        "--trainer-starved", type=float, default=0.7, help="launcher.autoscale.thresholds.trainer_starved"
+    )
     ap.add_argument(
         "--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}"
     )
