@@ -258,6 +258,11 @@ class TrainerConfig(Model):
             raise ValueError(
                 f"trainer.lora: only trainer.backend: torch trains LoRA adapters (not {self.backend})"
             )
+        if self.lora is not None and (self.push_dtype != "trainer" or self.push_delta_threshold is not None):
+            raise ValueError(
+                "trainer.lora pushes only the adapters: push_dtype and push_delta_threshold shape full "
+                "pushes (leave them unset)"
+            )
         if self.policy_loss == "reinforce" and self.eps_low is not None:
             raise ValueError(
                 "trainer.eps_low: reinforce never clamps its weight below (leave eps_low unset, "

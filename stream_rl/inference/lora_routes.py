@@ -135,9 +135,8 @@ async def update_lora(request: Request) -> dict[str, Any]:
             if receiver.ready is not None:
                 receiver.ready.synchronize()
             for p in pairs:
-                buffers[table.canonical(p.name)].copy_(
-                    merge(state.tensors[p.name], adapters[p.a.name], adapters[p.b.name], body.scale)
-                )
+                out = buffers[table.canonical(p.name)]
+                merge(state.tensors[p.name], adapters[p.a.name], adapters[p.b.name], body.scale, out=out)
 
         merge_started = time.perf_counter()
         await asyncio.to_thread(merge_all)

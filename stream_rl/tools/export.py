@@ -48,6 +48,7 @@ def export_model(
     from transformers import AutoTokenizer
 
     from stream_rl.train.lineage import by_version, read_weight_versions
+    from stream_rl.train.lora import LoraTrainer
     from stream_rl.train.rebuild import rebuild_version
 
     names = TopicNames(run=config.run, prefix=config.kafka.prefix)
@@ -64,7 +65,10 @@ def export_model(
         raise StreamRLError(f"{out} exists and is not empty: choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        trainer.save_to(Path(tmp))  # model/ (safetensors, config, generation config) + optimizer files
+        if isinstance(trainer, LoraTrainer):  # its checkpoint's model/ is the adapter: merge instead
+            trainer.save_merged(Path(tmp) / "model", config.model.path, config.model.dtype)
+        else:
+            trainer.save_to(Path(tmp))  # model/ (safetensors, config, generation config) + optimizer files
         for item in (Path(tmp) / "model").iterdir():
             shutil.move(str(item), out / item.name)
     AutoTokenizer.from_pretrained(config.model.path, local_files_only=True).save_pretrained(str(out))

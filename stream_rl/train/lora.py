@@ -45,7 +45,7 @@ def wrap(model: nn.Module, cfg: LoraConfig) -> Any:
 
     peft_cfg = PeftLoraConfig(
         r=cfg.rank,
-        lora_alpha=cfg.alpha,
+        lora_alpha=cfg.alpha,  # type: ignore[arg-type]  # annotated int; peft divides it by r as a float
         target_modules=list(cfg.target_modules),
         lora_dropout=cfg.dropout,
         bias="none",
@@ -53,7 +53,7 @@ def wrap(model: nn.Module, cfg: LoraConfig) -> Any:
     try:
         with warnings.catch_warnings():  # peft asks transformers' deprecated is_gradient_checkpointing
             warnings.simplefilter("ignore", FutureWarning)
-            peft_model = get_peft_model(model, peft_cfg)  # type: ignore[arg-type]
+            peft_model = get_peft_model(model, peft_cfg)
     except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
         first = str(exc).strip().splitlines()[0]
         raise ConfigError(f"trainer.lora.target_modules: {first}") from exc
@@ -137,6 +137,18 @@ class LoraTrainer(PolicyTrainer):
         self.peft_model.save_pretrained(str(directory / "model"))
         torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
         torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
+
+    def save_merged(self, directory: Path, base_path: str | Path, dtype: str) -> None:
+        """The merged weights as a plain Hugging Face model directory (`stream-rl export model` of a
+        LoRA run): the base model read again from `base_path`, its weights set to the merged ones."""
+        from stream_rl.common.modeling import load_causal_lm
+
+        plain = load_causal_lm(base_path, dtype=dtype)
+        params = dict(plain.named_parameters())
+        with torch.no_grad(), self.full_weights() as named:
+            for name, tensor in named:
+                params[name].copy_(tensor)
+        plain.save_pretrained(str(directory))
 
     def load_adapter(self, directory: Path) -> None:
         """Set the adapters to those saved in `directory` (a checkpoint's `model/`)."""

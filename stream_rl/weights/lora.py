@@ -34,12 +34,19 @@ SUFFIX_A = ".lora_A"
 SUFFIX_B = ".lora_B"
 
 
-def merge(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """`base + scale * (b @ a)`, computed in float64, rounded once to `base`'s dtype (a new tensor
-    on `base`'s device). The same bytes wherever it runs on the same inputs: float64 sums of `r`
-    products each, rounded to float32 or bf16."""
-    delta = torch.matmul(b.to(torch.float64), a.to(torch.float64))
-    return (base.to(torch.float64) + scale * delta).to(base.dtype)
+def merge(
+    base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`base + scale * (b @ a)`, computed in float64, rounded once to `base`'s dtype: into `out`
+    when given (same dtype and shape as `base`), else a new tensor on `base`'s device. The same
+    bytes wherever it runs on the same inputs: float64 sums of `r` products each, rounded to
+    float32 or bf16. (One float64 product, then one add that reads the base and writes the
+    rounded result: measured ~1.3x faster than converting the base to float64 first; a float32
+    `addmm` is ~20x faster but rounds the product, and its bytes would depend on the BLAS path.)"""
+    delta = torch.mm(b.to(torch.float64), a.to(torch.float64))
+    if out is None:
+        out = torch.empty_like(base, memory_format=torch.contiguous_format)
+    return torch.add(base, delta, alpha=scale, out=out)
 
 
 @dataclass

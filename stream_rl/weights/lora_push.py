@@ -18,15 +18,12 @@ import concurrent.futures as cf
 import logging
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from stream_rl.errors import WeightSyncError
 from stream_rl.weights.buckets import TensorMeta, plan_buckets
 from stream_rl.weights.client import ServerClient, UpdateAnswer
 from stream_rl.weights.lora import LoraTensors, pair_metas
-
-if TYPE_CHECKING:
-    from stream_rl.weights.sender import PushReport, WeightSender
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +66,10 @@ class LoraClient:
         return answer
 
 
-def push_adapters(sender: WeightSender, version: int, lora: LoraTensors, bucket_bytes: int) -> PushReport:
-    """Push `version` as `lora`'s adapter tensors to every live server not already holding it."""
-    from stream_rl.weights.sender import PushReport, _Outcome
-
+def push_adapters(sender: Any, version: int, lora: LoraTensors, bucket_bytes: int, report: Any) -> Any:
+    """Push `version` as `lora`'s adapter tensors to every live server of `sender` (a `WeightSender`)
+    not already holding it; fills and returns `report` (an empty `PushReport` of `version`). Typed
+    loosely: `stream_rl.weights.sender` imports this module, not the other way round."""
     named = lora.named()
     metas = [TensorMeta.from_tensor(name, tensor) for name, tensor in named]
     live = [link for link in sender._links.values() if link.group is not None]
@@ -84,7 +81,6 @@ def push_adapters(sender: WeightSender, version: int, lora: LoraTensors, bucket_
             raise WeightSyncError(f"{link.url}: {exc}") from exc
     plan = plan_buckets(metas, bucket_bytes)
     sources = [tensor for _, tensor in named]
-    report = PushReport(version=version, broadcast_ms=0.0)
     report.updated = [link.url for link in live if link.version == version]
     if targets:
         deadline = time.monotonic() + sender.timeout_s
@@ -110,14 +106,16 @@ def push_adapters(sender: WeightSender, version: int, lora: LoraTensors, bucket_
         nbytes = float(lora.nbytes)
         for link in targets:
             future = futures[link.url]
-            outcome = future.result() if future.done() else _Outcome(None, "delivery did not finish")
-            if outcome.timings is not None:
+            outcome = future.result() if future.done() else None
+            if outcome is not None and outcome.timings is not None:
                 link.version = version
                 report.updated.append(link.url)
                 report.per_server[link.url] = {**outcome.timings, "bytes": nbytes, "lora": 1.0}
                 report.broadcast_ms = max(report.broadcast_ms, outcome.timings["broadcast_ms"])
             else:
-                reason = outcome.error or "unknown failure"
+                reason = (
+                    outcome.error if outcome is not None else "delivery did not finish"
+                ) or "unknown failure"
                 report.failed[link.url] = reason
                 log.warning("weight sync: dropping %s from version %d on: %s", link.url, version, reason)
                 sender._drop(link)

@@ -271,7 +271,9 @@ class WeightSender:
         """
         lora = adapters_of(named_tensors)
         if lora is not None:
-            return push_adapters(self, version, lora, bucket_bytes)
+            return push_adapters(
+                self, version, lora, bucket_bytes, PushReport(version=version, broadcast_ms=0.0)
+            )
         live = [link for link in self._links.values() if link.group is not None]
         targets = [link for link in live if link.version != version]
         if self.push_dtype == "server" and targets:

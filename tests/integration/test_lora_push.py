@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 from fakes.server_thread import ServerThread, random_weights
 from fakes.training import make_sample
+from models import cached_model
 
 from stream_rl.config import RunConfig
 from stream_rl.inference.engine import Engine
-from stream_rl.inference.model_maker import make_model
 from stream_rl.train.backends import build_trainer
 from stream_rl.weights import ServerEndpoint, WeightSender, weights_checksum
 from stream_rl.weights.lora import adapters_of
@@ -38,9 +38,9 @@ TARGETS = ["q_proj", "v_proj"]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def model_dir() -> Path:
     torch.set_num_threads(1)
-    return make_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", seed=0)
+    return cached_model("tiny")
 
 
 def served(engine: Engine) -> list[tuple[str, torch.Tensor]]:

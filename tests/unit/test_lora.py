@@ -32,6 +32,8 @@ def test_lora_is_off_by_default_and_set_from_the_command_line() -> None:
         (["trainer.lora.ranks=4"], "ranks"),
         (["trainer.lora.rank=4", "trainer.backend=deepspeed"], "only trainer.backend: torch"),
         (["trainer.lora.rank=4", "trainer.backend=fsdp2"], "only trainer.backend: torch"),
+        (["trainer.lora.rank=4", "trainer.push_delta_threshold=0"], "pushes only the adapters"),
+        (["trainer.lora.rank=4", "trainer.push_dtype=server"], "pushes only the adapters"),
     ],
 )
 def test_bad_lora_settings_are_one_line_errors(overrides: list[str], needle: str) -> None:

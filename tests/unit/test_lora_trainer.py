@@ -19,6 +19,7 @@ from stream_rl.kafka.topics import WEIGHT_VERSIONS, TopicNames
 from stream_rl.stages import trainer as trainer_stage
 from stream_rl.train.backends import build_trainer
 from stream_rl.train.checkpoint import latest_checkpoint
+from stream_rl.train.lora import LoraTrainer
 from stream_rl.train.replay import replay_trainer
 from stream_rl.weights.checksum import weights_checksum
 from stream_rl.weights.lora import adapters_of, merge
@@ -101,3 +102,10 @@ def test_the_merged_weights_change_only_the_targeted_layers(tmp_path: Path, mode
             else:
                 assert torch.equal(tensor, base[name]), name
         assert weights_checksum(named) == trainer.checksum()
+    # `export model` of a LoRA run: a plain HF directory holding the merged weights.
+    from transformers import AutoModelForCausalLM
+
+    assert isinstance(trainer, LoraTrainer)
+    trainer.save_merged(tmp_path / "merged", model_dir, "float32")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert weights_checksum([(n, p.detach()) for n, p in plain.named_parameters()]) == trainer.checksum()
