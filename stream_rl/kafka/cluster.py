@@ -21,6 +21,7 @@ from pathlib import Path
 
 from stream_rl.errors import BrokerError
 from stream_rl.kafka.broker import READY_TIMEOUT_S, LocalBroker, Quorum, _answers, free_port, port_is_free
+from stream_rl.kafka.secure import SecureListeners, secure_listeners
 
 STATE = "cluster.json"
 
@@ -53,9 +54,13 @@ class LocalCluster:
         brokers: int = 3,
         port: int = 9092,
         ports: list[int] | None = None,
+        secure: SecureListeners | None = None,
     ) -> None:
-        """`ports` (one per broker) replaces `port, port + 1, ...`; a recorded layout wins over both."""
+        """`ports` (one per broker) replaces `port, port + 1, ...`; a recorded layout wins over both.
+        `secure`: every node's secured listeners (`kafka up --secure --brokers N`); by default those
+        recorded in the data dir, if any."""
         self.data_dir = Path(data_dir).resolve()
+        self.secure = secure or secure_listeners(self.data_dir)
         layout = cluster_layout(self.data_dir)
         if layout is not None and len(layout.ports) != brokers:
             raise BrokerError(
@@ -89,7 +94,11 @@ class LocalCluster:
             cluster_id=lay.cluster_id,
             replication=min(3, len(lay.ports)),
         )
-        return LocalBroker(self.data_dir / f"node-{i}", port=lay.ports[i], quorum=quorum)
+        listener = self.secure.node(i) if self.secure is not None else None
+        host = listener.ports.host if listener is not None else "127.0.0.1"
+        return LocalBroker(
+            self.data_dir / f"node-{i}", port=lay.ports[i], host=host, listener=listener, quorum=quorum
+        )
 
     def nodes(self) -> list[LocalBroker]:
         return [self.node(i) for i in range(len(self.layout.ports))]
@@ -118,7 +127,7 @@ class LocalCluster:
         """Until every node answers; BrokerError naming the first that does not (and its log)."""
         deadline = time.monotonic() + timeout
         for node in self.nodes():
-            while not _answers(f"127.0.0.1:{node.port}", timeout=1.0):
+            while not _answers(f"{node.host}:{node.port}", timeout=1.0, properties=node._probe_properties()):
                 if node.running() is None:
                     raise BrokerError(f"node {node.data_dir.name} exited while starting:\n{node._log_tail()}")
                 if time.monotonic() > deadline:

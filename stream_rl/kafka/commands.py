@@ -51,8 +51,8 @@ def main_kafka(args: argparse.Namespace) -> int:
     from stream_rl.kafka.cluster import LocalCluster, cluster_layout
 
     if args.secure or args.run or args.config:
-        if args.action != "up" or (args.brokers or 1) > 1:
-            raise StreamRLError("--secure/--run/--config: only for `kafka up` of one broker")
+        if args.action != "up":
+            raise StreamRLError("--secure/--run/--config: only for `kafka up`")
         return _up_secure(args)
     layout = cluster_layout(args.data_dir)
     brokers = args.brokers or (len(layout.ports) if layout else 1)
@@ -99,6 +99,7 @@ def _up_secure(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from stream_rl.kafka.broker import free_port
+    from stream_rl.kafka.cluster import LocalCluster, cluster_layout
     from stream_rl.kafka.secure import SecureListeners, SecurePorts, enroll, secure_dir, secure_listeners
 
     if not args.secure:
@@ -108,18 +109,30 @@ def _up_secure(args: argparse.Namespace) -> int:
     prefix = cfg.kafka.prefix if cfg is not None else DEFAULT_PREFIX
     listeners = secure_listeners(args.data_dir)
     if listeners is None:
-        if LocalBroker(args.data_dir).state() is not None:
+        if LocalBroker(args.data_dir).state() is not None or cluster_layout(args.data_dir) is not None:
             raise StreamRLError(
                 f"{args.data_dir} holds a broker made without --secure: choose another --data-dir"
             )
+        brokers = args.brokers or 1
+        if brokers > 1 and args.host is not None:
+            raise StreamRLError("--host: only for one broker (a local cluster listens on 127.0.0.1)")
         host = args.host or "127.0.0.1"
-        ports = SecurePorts(host=host, port=args.port, mtls_port=args.port + 1, internal_port=free_port())
-        listeners = SecureListeners(secure_dir(args.data_dir), ports)
+        # SASL_SSL on PORT..PORT+N-1, mutual TLS on the N ports after them.
+        nodes = tuple(
+            SecurePorts(host, args.port + i, args.port + brokers + i, free_port()) for i in range(brokers)
+        )
+        listeners = SecureListeners(secure_dir(args.data_dir), nodes[0], nodes if brokers > 1 else ())
+    elif args.brokers is not None and args.brokers != len(listeners.all_nodes):
+        raise StreamRLError(f"{args.data_dir} holds a secured {len(listeners.all_nodes)}-broker Kafka")
     listeners.prepare()
-    broker = LocalBroker(
-        args.data_dir, port=listeners.ports.port, host=listeners.ports.host, listener=listeners
-    )
-    broker.up(quiet=args.quiet)
+    if len(listeners.all_nodes) > 1:
+        ports = [n.port for n in listeners.all_nodes]
+        LocalCluster(args.data_dir, brokers=len(ports), ports=ports, secure=listeners).up(quiet=args.quiet)
+    else:
+        broker = LocalBroker(
+            args.data_dir, port=listeners.ports.port, host=listeners.ports.host, listener=listeners
+        )
+        broker.up(quiet=args.quiet)
     enrolled = enroll(listeners, run, prefix, Path(args.config) if args.config else None)
     print(
         f"secured Kafka at {listeners.bootstrap} (SASL_SSL, SCRAM-SHA-512) and {listeners.mtls_bootstrap} (mutual TLS)"

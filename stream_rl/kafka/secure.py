@@ -147,6 +147,17 @@ class SecureListeners:
     dir: Path
     """`<data_dir>/secure`: the CA, the broker's certificate, the operator's password, the runs."""
     ports: SecurePorts
+    """This node's."""
+    nodes: tuple[SecurePorts, ...] = ()
+    """Every node's, for a cluster (`kafka up --secure --brokers N`); () for one broker."""
+
+    @property
+    def all_nodes(self) -> tuple[SecurePorts, ...]:
+        return self.nodes or (self.ports,)
+
+    def node(self, i: int) -> SecureListeners:
+        """Node `i`'s listeners (same CA, certificates and users)."""
+        return SecureListeners(self.dir, self.all_nodes[i], self.all_nodes)
 
     @property
     def pki(self) -> Pki:
@@ -170,7 +181,7 @@ class SecureListeners:
         pki.issue(OPERATOR, OPERATOR)
         if not self.operator_password_file.exists():
             write_secret(self.operator_password_file, secrets.token_urlsafe(24))
-        (self.dir / "secure.json").write_text(json.dumps(asdict(self.ports)))
+        (self.dir / "secure.json").write_text(json.dumps({"nodes": [asdict(n) for n in self.all_nodes]}))
 
     # -- the broker's side (stream_rl.kafka.listener.Listener) ----------------------------------
     def extra_ports(self) -> list[tuple[int, str]]:
@@ -230,11 +241,11 @@ class SecureListeners:
 
     @property
     def bootstrap(self) -> str:
-        return f"{self.ports.host}:{self.ports.port}"
+        return ",".join(f"{n.host}:{n.port}" for n in self.all_nodes)
 
     @property
     def mtls_bootstrap(self) -> str:
-        return f"{self.ports.host}:{self.ports.mtls_port}"
+        return ",".join(f"{n.host}:{n.mtls_port}" for n in self.all_nodes)
 
 
 def secure_dir(data_dir: str | Path) -> Path:
@@ -245,9 +256,10 @@ def secure_listeners(data_dir: str | Path) -> SecureListeners | None:
     """The secured broker's listeners recorded in `data_dir` (None: it is not a secured broker's)."""
     d = secure_dir(data_dir)
     try:
-        return SecureListeners(d, SecurePorts(**json.loads((d / "secure.json").read_text())))
-    except (OSError, ValueError, TypeError):
+        nodes = tuple(SecurePorts(**n) for n in json.loads((d / "secure.json").read_text())["nodes"])
+    except (OSError, ValueError, TypeError, KeyError):
         return None
+    return SecureListeners(d, nodes[0], nodes if len(nodes) > 1 else ())
 
 
 @dataclass(frozen=True)
@@ -297,9 +309,16 @@ def kafka_section(listeners: SecureListeners, run: str, prefix: str, *, mtls: bo
     run_dir = listeners.dir / "runs" / run
     principals = {role: f"User:{user_name(run, role)}" for role in ENROLLED}
     principals[OPERATOR] = f"User:{OPERATOR}"
+    replicas = len(listeners.all_nodes)
+    copies = (
+        {"replication_factor": min(3, replicas), "min_insync_replicas": min(2, replicas)}
+        if replicas > 1
+        else {}
+    )
     return {
         "bootstrap": listeners.mtls_bootstrap if mtls else listeners.bootstrap,
         "prefix": prefix,
+        **copies,
         "client_properties": listeners.mtls_properties() if mtls else listeners.scram_properties(),
         "principals": principals,
         "credentials": _mtls_credentials(listeners, run)
