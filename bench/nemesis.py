@@ -58,6 +58,7 @@ from nemesis import (  # noqa: E402
     ServerFault,
     SlowLink,
     Step,
+    child_pid,
     connects,
     require_tools,
     seeded_seconds,
@@ -325,7 +326,7 @@ def main() -> int:
             )  # fmt: skip
 
             def stage_pid(name: str) -> int:
-                return int(json.loads((run_dir / "processes.json").read_text())["pids"][name])
+                return child_pid(run_dir, name)
 
             def node_pid(i: int) -> int:
                 st = cluster.node(i).running()

@@ -100,6 +100,17 @@ class Fault:
         raise NotImplementedError
 
 
+def child_pid(run_dir: Path, name: str, wait_s: float = 60.0) -> int:
+    """The pid of the launcher's child `name` from the run's `processes.json` (waiting out a
+    restart: a child is listed again once it runs)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        pids = json.loads((run_dir / "processes.json").read_text())["pids"]
+        if name in pids or time.monotonic() > deadline:
+            return int(pids[name])
+        time.sleep(0.5)
+
+
 def proc_state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
@@ -528,7 +539,14 @@ class Nemesis:
             if self.done():
                 break
             f = step.fault
-            start = self.events.add(f.name, "start", kind=f.kind, version=self.version(), **f.start())
+            try:
+                evidence = f.start()
+            except (OSError, KeyError, ValueError, AssertionError) as exc:  # e.g. its process restarting
+                with contextlib.suppress(Exception):
+                    f.stop()
+                self.events.add(f.name, "skipped", kind=f.kind, error=f"{type(exc).__name__}: {exc}")
+                continue
+            start = self.events.add(f.name, "start", kind=f.kind, version=self.version(), **evidence)
             try:
                 self.hold(step.seconds)
             finally:

@@ -5,18 +5,18 @@ inference server) in a namespace joined to it by a veth pair, so the link betwee
 and slowed. The faults, each once its predecessor recovered (the next weight version came):
 
 1. a pause (SIGSTOP) of 1-5 s of a process the seed picks (the broker, the trainer or a stage);
-2. the inference server paused 12 s: past the actor's request timeout (4 s) and the trainer's update
+2. the inference server paused 8 s: past the actor's request timeout (4 s) and the trainer's update
    deadline (6 s), so it can be marked down and set aside as stale at once (the pair that once
    stalled a run for good);
-3. a pause of the preprocessor past every Kafka timeout the run has: 35 s, longer than its
+3. a pause of the preprocessor past every Kafka timeout the run has: 32 s, longer than its
    static-membership session (30 s: `outage_timeout_s` 30), the transaction timeout (15 s) and
    librdkafka's request timeout (30 s); (the poll interval, 10 min, is not reached);
-4. the compute host cut from the broker for 5-8 s (every packet on the link dropped);
-5. the link slowed for 5-8 s (netem delay and loss, or tbf at 256 kbit/s with 5 % loss);
-6. the broker held to 10 % of a core (cgroup) for 8-12 s;
-7. the inference server answering 500 to every call for 4-6 s;
-8. the server accepting calls and never answering them for 5-7 s (the actor's request timeout: 4 s);
-9. the broker's disk full to the last byte for 8-12 s (Kafka halts on its failed log directory;
+4. the compute host cut from the broker for 4-6 s (every packet on the link dropped);
+5. the link slowed for 4-6 s (netem delay and loss, or tbf at 256 kbit/s with 5 % loss);
+6. the broker held to 10 % of a core (cgroup) for 5-8 s;
+7. the inference server answering 500 to every call for 3-5 s;
+8. the server accepting calls and never answering them for 5-6 s (the actor's request timeout: 4 s);
+9. the broker's disk full to the last byte for 5-8 s (Kafka halts on its failed log directory;
    restarted once space is freed).
 
 Judged by the outside view (`chaos_checks.py`): 0 lost, 0 trained twice, groups whole, versions
@@ -52,6 +52,7 @@ from nemesis import (
     ServerFault,
     SlowLink,
     Step,
+    child_pid,
     seeded_seconds,
     tmpfs,
 )
@@ -70,11 +71,11 @@ clean stop, exit 0). Versions come on during most faults, so no step budget fits
 machine: `max_steps` is out of reach and the stop ends the run."""
 OUTAGE_S = 30.0
 """kafka.outage_timeout_s: also the static members' session (max(30 s, this))."""
-LONG_PAUSE_S = 35.0
+LONG_PAUSE_S = 32.0
 """Past the static session (30 s), the transaction timeout (15 s) and the request timeout (30 s)."""
 REQUEST_TIMEOUT_S = 4.0
 UPDATE_TIMEOUT_S = 6.0
-SERVER_PAUSE_S = 12.0
+SERVER_PAUSE_S = 8.0
 """The server's pause: past the actor's request timeout (its calls fail: marked down) and the
 trainer's update deadline (a push meeting it drops it: set aside as stale), the pair of states
 that once left a server out of routing for good (issue 36, fixed in 10811a8)."""
@@ -103,12 +104,9 @@ measured figures are in docs/faults.md). The long pause's stage is fenced and re
 launcher; the full disk's broker halts and is started again (10-60 s here) before anything moves."""
 
 
-def _pid(run_dir: Path, name: str) -> int:
-    return int(json.loads((run_dir / "processes.json").read_text())["pids"][name])
-
-
 @pytest.fixture(scope="module")
 def nemesis_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from stream_rl.errors import BrokerError
     from stream_rl.inference.model_maker import make_model
     from stream_rl.kafka.broker import LocalBroker, free_port
 
@@ -165,21 +163,27 @@ def nemesis_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
             def restart() -> None:
                 broker.down(quiet=True, timeout=10)  # reaps a halted JVM; a no-op if it is gone
-                broker.up(quiet=True)
+                for attempt in range(3):  # a loaded machine can miss the 60 s readiness wait
+                    try:
+                        broker.up(quiet=True)
+                        return
+                    except BrokerError:
+                        if attempt == 2:
+                            raise
 
             short = rng.choice(["broker", "trainer", "actor-0", "verifier-0", "preprocessor-0"])
             cpu = CpuLimit("broker cpu 10 %", broker_pid, 0.1, group=f"srl-nemesis-{TAG}")
             host, port = net.host_addr, broker.port
             plan = [
-                Step(Pause(f"pause {short}", (lambda: broker_pid()) if short == "broker" else (lambda: _pid(run_dir, short))), seeded_seconds(rng, 1, 5), BOUNDS["pause"]),
-                Step(Pause("pause server-0 past its deadlines", lambda: _pid(run_dir, "server-0")), SERVER_PAUSE_S, BOUNDS["pause"]),
-                Step(Pause("pause preprocessor-0 past every timeout", lambda: _pid(run_dir, "preprocessor-0")), LONG_PAUSE_S, BOUNDS["long-pause"]),
-                Step(Partition("compute host cut from the broker", firewall, netns=net, probe=lambda: net.connects(host, port)), seeded_seconds(rng, 5, 8), BOUNDS["partition"]),
-                Step(SlowLink("slow link actor host - broker", firewall, netns=net), seeded_seconds(rng, 5, 8), BOUNDS["slow-link"]),
-                Step(cpu, seeded_seconds(rng, 8, 12), BOUNDS["cpu-limit"]),
-                Step(ServerFault("server answers 500", switch, "500"), seeded_seconds(rng, 4, 6), BOUNDS["server-500"]),
-                Step(ServerFault("server hangs mid-call", switch, "hang"), seeded_seconds(rng, 5, 7), BOUNDS["server-hang"]),
-                Step(DiskFull("broker disk full", kafka_dir, lambda: broker.running() is not None, restart), seeded_seconds(rng, 8, 12), BOUNDS["disk-full"]),
+                Step(Pause(f"pause {short}", (lambda: broker_pid()) if short == "broker" else (lambda: child_pid(run_dir, short))), seeded_seconds(rng, 1, 5), BOUNDS["pause"]),
+                Step(Pause("pause server-0 past its deadlines", lambda: child_pid(run_dir, "server-0")), SERVER_PAUSE_S, BOUNDS["pause"]),
+                Step(Pause("pause preprocessor-0 past every timeout", lambda: child_pid(run_dir, "preprocessor-0")), LONG_PAUSE_S, BOUNDS["long-pause"]),
+                Step(Partition("compute host cut from the broker", firewall, netns=net, probe=lambda: net.connects(host, port)), seeded_seconds(rng, 4, 6), BOUNDS["partition"]),
+                Step(SlowLink("slow link actor host - broker", firewall, netns=net), seeded_seconds(rng, 4, 6), BOUNDS["slow-link"]),
+                Step(cpu, seeded_seconds(rng, 5, 8), BOUNDS["cpu-limit"]),
+                Step(ServerFault("server answers 500", switch, "500"), seeded_seconds(rng, 3, 5), BOUNDS["server-500"]),
+                Step(ServerFault("server hangs mid-call", switch, "hang"), seeded_seconds(rng, 5, 6), BOUNDS["server-hang"]),
+                Step(DiskFull("broker disk full", kafka_dir, lambda: broker.running() is not None, restart), seeded_seconds(rng, 5, 8), BOUNDS["disk-full"]),
             ]  # fmt: skip
             events = Events(tmp / "nemesis-events.jsonl")
             assert watch is not None
@@ -256,11 +260,12 @@ def test_each_fault_happened_and_the_run_recovered_within_its_bound(nemesis_run:
 
 
 def test_the_long_pause_outlasted_the_session_and_the_stage_came_back(nemesis_run: dict[str, Any]) -> None:
-    """35 s stopped: the broker's session for the static member (30 s) expired; the stage was
-    fenced or carried on, and the preprocessor's work was all batched (below)."""
+    """32 s stopped: its static-membership session (30 s) ran out (librdkafka says so when it runs
+    again, then rejoins), and the preprocessor's work was all batched (the counts below)."""
     (long,) = [s for s in nemesis_run["steps"] if "past every timeout" in s[1]]
     result = long[4]
     assert result["end"]["t"] - result["start"]["t"] >= LONG_PAUSE_S > OUTAGE_S
+    assert "Consumer group session timed out" in nemesis_run["stage_logs"]["preprocessor-0"]
 
 
 def test_nothing_lost_under_the_nemesis(nemesis_run: dict[str, Any]) -> None:
