@@ -1,4 +1,4 @@
-"""The trainer stage with `trainer.lora` on the in-memory transport: adapters trained only (the
+"""The trainer stage with `trainer.lora` (dropout on) on the in-memory transport: adapters trained only (the
 optimizer's state and the checkpoint hold them, nothing else), the served weights are the merged
 ones (version 0: the base exactly), and a stopped-and-resumed run and `replay trainer` give the
 uninterrupted run's checksums bit for bit."""
@@ -27,7 +27,7 @@ from stream_rl.weights.lora import adapters_of, merge
 pytestmark = pytest.mark.unit
 
 SERDE = default_serde()
-LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
+LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"], "dropout": 0.1}
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +102,15 @@ def test_the_merged_weights_change_only_the_targeted_layers(tmp_path: Path, mode
             else:
                 assert torch.equal(tensor, base[name]), name
         assert weights_checksum(named) == trainer.checksum()
+    # trainer.lora.dropout is in force while training: the adapters' input is noised (two forward
+    # passes differ), the rest of the model stays in eval mode.
+    assert isinstance(trainer, LoraTrainer)
+    sample = make_batches(1, 2, seed=9)[0].samples
+    assert not torch.equal(trainer.logprobs(sample), trainer.logprobs(sample))
+    assert not trainer.model.training
     # `export model` of a LoRA run: a plain HF directory holding the merged weights.
     from transformers import AutoModelForCausalLM
 
-    assert isinstance(trainer, LoraTrainer)
     trainer.save_merged(tmp_path / "merged", model_dir, "float32")
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert weights_checksum([(n, p.detach()) for n, p in plain.named_parameters()]) == trainer.checksum()
