@@ -314,3 +314,23 @@ def test_a_whole_run_finishes_with_each_stage_on_its_own_principal(secured: Secu
     }
     assert counts[PROBLEMS] > 0 and counts[TRAINING_BATCHES] > 0
     assert counts[RAW_ROLLOUTS] >= 3 * 8 and counts[SCORED] >= 3 * 8
+
+
+def test_a_stage_run_as_another_kind_stops_with_one_line(
+    secured: Secured, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The verifier started with the actor's principal and credentials (a consistent config, so it
+    passes validation): the broker refuses it its group, and the stage command exits 2 with one
+    line naming the principal and the right, no traceback."""
+    run_dir = secured.data_dir / "secure" / "runs" / RUN
+    data = yaml.safe_load((run_dir / "kafka.yaml").read_text())
+    data["kafka"]["principals"]["verifier"] = data["kafka"]["principals"]["actor"]
+    data["kafka"]["credentials"]["verifier"] = data["kafka"]["credentials"]["actor"]
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"run": RUN, **data}))
+    assert cli_main(["verifier", "--config", str(path), "--max-records", "1", "--idle-timeout", "20"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(
+        f"error: Kafka refused User:{RUN}-actor READ on group stream-rl.{RUN}.verifier (GROUP_AUTHORIZATION_FAILED)"
+    )
