@@ -5,6 +5,8 @@
   `W0 + (alpha/r) B A` for the targeted weights and the base elsewhere, at each version (re-merged
   from the base, not stacked); a server whose weights are not the base refuses (409) and is
   dropped while the other is updated.
+- The trainer stage with LoRA (in-memory topics, a real server): each version's `push_bytes` is
+  the adapters' bytes, and the checksum it publishes is the one the server then serves.
 - An outside client written from docs/weights-protocol.md (section "LoRA updates"; httpx and
   torch.distributed only) installs adapters and reads back the formula's weights.
 """
@@ -193,3 +195,47 @@ def test_an_outside_client_following_the_doc_installs_lora_adapters(model_dir: P
         assert reply.result().status_code == 200 and http.get("/weights/version").json() == {"version": 7}
         # The same adapters again: merged into the kept base, not into the served weights.
         assert all(torch.equal(t, expected[n]) for n, t in served(engine))
+
+
+def test_the_trainer_stage_with_lora_pushes_adapters_and_publishes_the_served_checksum(
+    tmp_path: Path,
+) -> None:
+    """The stage itself (in-memory topics, a real server): each version's `WeightVersion` names the
+    bytes the sender pushed (the adapters') and the checksum the server then serves."""
+    from fakes.training import make_batches, setup_topics
+
+    from stream_rl.contracts import WeightVersion
+    from stream_rl.kafka.memory import MemoryTransport
+    from stream_rl.kafka.serde import default_serde
+    from stream_rl.kafka.topics import WEIGHT_VERSIONS
+    from stream_rl.stages import trainer as trainer_stage
+
+    model_dir = cached_model("tiny")
+    engine = Engine.load(model_dir, max_batch=2)
+    transport = MemoryTransport()
+    names = setup_topics(transport, "r1", make_batches(4, 2, seed=2))
+    with ServerThread(engine, admin_token=TOKEN) as server:
+        cfg = RunConfig.model_validate(
+            {
+                "run": "r1",
+                "runs_dir": str(tmp_path / "runs"),
+                "model": {"path": str(model_dir)},
+                "inference": {"servers": [{"url": server.url}], "admin_token": TOKEN},
+                "trainer": {
+                    "samples_per_step": 4,
+                    "lr": 1e-2,
+                    "sync_master_port": 0,
+                    "lora": {"rank": 2, "target_modules": TARGETS},
+                },
+            }
+        )
+        stats = trainer_stage.run(cfg, transport, max_steps=2, idle_timeout_s=0.5)
+        assert stats.version == 2
+        serde = default_serde()
+        wvs = [serde.decode(m.value, WeightVersion) for m in transport.messages(names.topic(WEIGHT_VERSIONS))]
+        assert [w.version for w in wvs] == [0, 1, 2] and all(w.servers_updated == [server.url] for w in wvs)
+        assert weights_checksum(served(engine)) == wvs[-1].checksum == stats.checksum
+        targeted = [t for n, t in served(engine) if n.endswith(".weight") and n.rsplit(".", 2)[-2] in TARGETS]
+        assert len(targeted) == 4
+        adapter_bytes = sum(4 * 2 * sum(t.shape) for t in targeted)  # rank 2, float32: A and B
+        assert [w.metrics.get("push_bytes") for w in wvs[1:]] == [adapter_bytes] * 2
