@@ -89,7 +89,7 @@ def push_adapters(sender: Any, version: int, lora: LoraTensors, bucket_bytes: in
             futures = {
                 link.url: pool.submit(
                     sender._deliver,
-                    replace(link, client=LoraClient(link.client, lora)),  # type: ignore[arg-type]
+                    replace(link, client=LoraClient(link.client, lora)),
                     version,
                     metas,
                     plan,
