@@ -58,6 +58,7 @@ def start_server(model_dir: Path, dtype: str, root: Path, token: str) -> tuple[s
     port_file.unlink(missing_ok=True)
     command = [sys.executable, "-m", "stream_rl.cli", "serve", "--model", str(model_dir), "--dtype", dtype]
     command += ["--port", "0", "--port-file", str(port_file), "--threads", "1", "--admin-token", token]
+    command += ["--served-model-name", "bench"]  # the model DecodeLoad's requests name
     process = subprocess.Popen(command)
     deadline = time.monotonic() + 600
     while True:
@@ -155,7 +156,8 @@ def merged(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def print_table(preset: str, rows: list[dict[str, Any]]) -> None:
     base = rows[0]
     print(
-        f"\n{preset}: {base['params']:,} parameters, {base['tensors']} tensors (versions 2..{len(base['pushes'])})"
+        f"\n{preset}: {base['params']:,} parameters, {base['tensors']} tensors; versions 2..{len(base['pushes'][0])}"
+        f" of {base['repeats']} run(s) per mode, taking turns"
     )
     header = (
         f"{'mode':>16} {'MB/version':>11} {'x base':>7} {'tensors':>8} {'receive ms':>11} {'x base':>7}"

@@ -5,6 +5,7 @@
 - `sender`: the trainer's side (`WeightSender`: join the servers, push versions, drop failures).
 - `receiver`: the server's side (`WeightReceiver`: join, receive buckets into shadow buffers).
 - `checksum`: `weights_checksum`, the same on both sides for the same bytes.
+- `shaping`: smaller pushes (the sender's `push_dtype="server"` cast and `delta_threshold`).
 - `adapters`: the same sender interface for vLLM and SGLang servers (GPU only, unverified).
 """
 

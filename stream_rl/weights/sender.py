@@ -34,6 +34,10 @@ group released in the background. The others still get the version. Before anyth
 the tensors are checked against each server's `GET /weights/meta` (names, dtypes, shapes);
 a mismatch raises `WeightSyncError` and nothing is broadcast.
 
+Smaller pushes (`push_dtype="server"`: cast to each server's dtype; `delta_threshold`: only the
+tensors that moved since the version a server holds): `stream_rl.weights.shaping`; each server's
+`per_server` figures then also say the `bytes` and `tensors` it was sent.
+
 Versions are idempotent per server: a push skips servers that already acknowledged that
 version, so after `connect()` re-joins a restarted server, pushing the current version again
 re-broadcasts it to that server only.
@@ -285,7 +289,7 @@ class WeightSender:
             raise WeightSyncError("duplicate tensor names in the update")
         for link in targets:
             check_against_server(metas, link.metas or {}, link.url)
-        sends = self._sends(version, named_tensors, targets)
+        sends = self._sends(version, named_tensors, targets) if targets else {}
         report = PushReport(version=version, broadcast_ms=0.0)
         report.updated = [link.url for link in live if link.version == version]
         if targets:
