@@ -69,4 +69,6 @@ def test_readme_table_is_the_rendered_topology() -> None:
 
     readme = (Path(__file__).resolve().parents[2] / "docs" / "concepts.md").read_text()
     block = readme.split("<!-- topology:begin -->\n")[1].split("\n<!-- topology:end -->")[0]
-    assert block == topology_markdown(), "docs/concepts.md's topic table is stale: paste `stream-rl topics table`"
+    assert block == topology_markdown(), (
+        "docs/concepts.md's topic table is stale: paste `stream-rl topics table`"
+    )
