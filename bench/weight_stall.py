@@ -101,10 +101,13 @@ class DecodeLoad:
             thread.start()
         return self
 
-    def __exit__(self, *_exc: object) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=60)
+        if exc[0] is None and self.errors and not self.tokens:
+            # A stall measured with nothing decoding says nothing (seen: a 404 for the model's name).
+            raise SystemExit(f"every decode request to {self.url} failed ({self.errors}): no stall measured")
 
 
 def make_model_dir(size: str, root: Path) -> Path:
@@ -127,6 +130,7 @@ def start_server(model_dir: Path, root: Path, token: str) -> tuple[subprocess.Po
     port_file.unlink(missing_ok=True)
     command = [sys.executable, "-m", "stream_rl.cli", "serve", "--model", str(model_dir), "--port", "0"]
     command += ["--port-file", str(port_file), "--threads", "1", "--admin-token", token]
+    command += ["--served-model-name", "bench"]  # the model DecodeLoad's requests name (else 404)
     process = subprocess.Popen(command)
     deadline = time.monotonic() + 300
     while not port_file.exists():
