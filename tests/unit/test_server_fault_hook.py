@@ -37,7 +37,10 @@ def _app(monkeypatch: pytest.MonkeyPatch, switch: Path | None) -> FastAPI:
 
 async def _calls(app: FastAPI, switch: Path | None) -> list[int]:
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s") as client:
-        codes = [(await client.post("/v1/completions")).status_code, (await client.get("/health")).status_code]
+        codes = [
+            (await client.post("/v1/completions")).status_code,
+            (await client.get("/health")).status_code,
+        ]
         if switch is not None:
             switch.write_text("hang")
             held = asyncio.create_task(client.post("/v1/completions"))
