@@ -108,7 +108,7 @@ pytest: setup vllm docker-tools
 
 # The unit tier alone (no broker, no servers): 45-56 s on 2 cores on three workers, ~66 s in one.
 unit: setup
-	$(VENV)/bin/pytest -m unit -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(VENV)/bin/pytest tests/unit -m unit -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The documentation site (mkdocs.yml): strict, so a link to a missing page or anchor fails it.
 docs: setup
