@@ -38,9 +38,18 @@ PATH_RE = re.compile(
     r"`((?:\.{0,2}/)?[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.*<>-]*)+|[A-Za-z0-9_-]+\.(?:py|yaml|yml|md|toml|json|avsc|xml|png))`"
 )
 GENERATED = ("runs/", ".kafka", "models/", "bench/results/", "~/", "/", "<")
-# Files the project writes, named bare in the README: a run's summary, a model folder's configs,
-# the wheel folder bench/gpu_wheels.sh fills.
-WRITTEN = {"summary.json", "config.json", "generation_config.json", ".whl/"}
+# Files the project writes, named bare in the docs: a run's summary and overview plot, a model folder's
+# configs, a LoRA checkpoint's model/ folder and peft's adapter config, the wheel folder
+# bench/gpu_wheels.sh fills.
+WRITTEN = {
+    "summary.json",
+    "config.json",
+    "generation_config.json",
+    ".whl/",
+    "overview.png",
+    "model/",
+    "adapter_config.json",
+}
 
 
 def named_paths() -> list[str]:
