@@ -169,11 +169,16 @@ def make_plan(
     ports = cluster.layout.ports
     kinds = list(KINDS)
     rng.shuffle(kinds)  # every kind once first, then at random
+    # First the case: the server paused 70 s, past the trainer's 60 s update deadline (it
+    # once left the run waiting for good: dropped, set aside as stale, then down while stale).
+    kinds.append("server-pause-70")
     while total < seconds:
         kind = kinds.pop() if kinds else rng.choice(KINDS)
         node = rng.randrange(len(ports))
         fault: Fault
-        if kind == "pause":
+        if kind == "server-pause-70":
+            fault, held = Pause("pause server-0 70 s", lambda: stage_pid("server-0")), 70.0 / max(scale, 1e-9)
+        elif kind == "pause":
             who = rng.choice(["broker", "trainer", "server-0", "actor-0", "verifier-0", "preprocessor-0"])
             held = seeded_seconds(rng, 1, 60)
             if who == "broker":
