@@ -65,6 +65,13 @@ def _state(pid: int) -> str:
     return stat[stat.rindex(")") + 2]
 
 
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler installed for `sig` (the SigCgt mask in its status)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught >> (sig - 1) & 1)
+
+
 def _until(check, timeout_s: float = 15.0) -> bool:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -106,7 +113,9 @@ def test_the_launcher_signals_the_stage_itself_and_sees_how_it_died(
         assert Path(f"/proc/{proc.pid}/cwd").resolve() == Path.cwd().resolve()
         child = Child("verifier-0", "verifier", cmd, tmp_path, proc=proc)
         assert child.dumps_stacks
-        time.sleep(1.0)  # into the broker wait, the stack-dump handler installed
+        # The stack-dump handler installed (cli.main, before the broker wait): a SIGUSR1 earlier
+        # would end the stage (the fork server resets it to the default action).
+        assert _until(lambda: _catches(proc.pid, signal.SIGUSR1)), "the stage catches SIGUSR1"
         assert child.dump_stacks()
         assert "(most recent call first):" in child.log.read_text()
         os.kill(proc.pid, signal.SIGSTOP)  # the chaos test pauses an actor this way
