@@ -70,7 +70,20 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 # Where the suite's time goes (`make test --durations`, clean clone, 2 cores): the files that take
 # minutes start first, so the run is not left waiting on one of them at its end.
-_FIRST = ("vllm", "tests/e2e/test_chaos.py", "tests/docker/", "tests/e2e/", "tests/integration/")
+# The longest work units first (each took 1.5-3.5 min in a clean-clone run), so no worker starts one
+# near the end of the run and holds the suite's tail.
+_FIRST = (
+    "vllm",
+    "tests/e2e/test_chaos.py",
+    "tests/e2e/test_nemesis.py",
+    "tests/docker/",
+    "tests/integration/test_deepspeed_backend.py",
+    "tests/e2e/test_cluster_chaos.py",
+    "tests/integration/test_fsdp2_backend.py",
+    "tests/e2e/",
+    "tests/integration/test_secure",
+    "tests/integration/",
+)
 _VLLM_FILES = ("tests/e2e/test_vllm_demo.py", "tests/integration/test_vllm.py")
 """The files whose tests use the session's vLLM server: one xdist work unit (one server per run)."""
 
