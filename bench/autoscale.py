@@ -99,7 +99,7 @@ def append_long_problems(args: argparse.Namespace, run: str, bootstrap: str, sto
     """Wait for the loader's short problems, then write the long ones behind them."""
     from stream_rl.config import KafkaConfig
     from stream_rl.errors import KafkaError
-    from stream_rl.kafka.client import KafkaTransport
+    from stream_rl.kafka.confluent import KafkaTransport
     from stream_rl.kafka.serde import default_serde
     from stream_rl.kafka.topics import PROBLEMS, TopicNames
     from stream_rl.stages.problem_order import SEQ_HEADER

@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 MODULES = [
     "torch", "transformers", "tokenizers", "safetensors", "pydantic", "fastapi", "starlette", "uvicorn",
     "httpx", "yaml", "fastavro", "prometheus_client", "numpy", "pytest", "stream_rl.inference.server",
-    "stream_rl.train.step", "stream_rl.weights.transport", "stream_rl.weights.ipc_sender",
+    "stream_rl.train.step", "stream_rl.weights.sender_choice", "stream_rl.weights.ipc_sender",
 ]  # fmt: skip
 
 NCCL_PROBE = r"""

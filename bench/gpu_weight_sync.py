@@ -38,7 +38,7 @@ from fakes.server_thread import random_weights  # noqa: E402
 
 from stream_rl.train.step import load_model  # noqa: E402
 from stream_rl.weights import ServerEndpoint  # noqa: E402
-from stream_rl.weights.transport import make_builtin_sender  # noqa: E402
+from stream_rl.weights.sender_choice import make_builtin_sender  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "gpu_weight_sync.json"
 TOKEN = "bench"

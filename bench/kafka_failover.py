@@ -27,8 +27,8 @@ from typing import Any
 import confluent_kafka as ck
 
 from stream_rl.kafka.broker import free_port
-from stream_rl.kafka.client import KafkaTransport
 from stream_rl.kafka.cluster import LocalCluster
+from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.topics import TRAINING_BATCHES, TopicNames, apply_topics
 
 RESULTS = Path(__file__).parent / "results" / "kafka_failover.json"

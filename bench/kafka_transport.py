@@ -30,7 +30,7 @@ from pathlib import Path
 from stream_rl.contracts import Rollout
 from stream_rl.kafka import broker as broker_module
 from stream_rl.kafka.broker import LocalBroker, free_port
-from stream_rl.kafka.client import KafkaTransport
+from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.serde import default_serde
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test builders (tests/fakes)

@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 
 from stream_rl.kafka.broker import LocalBroker, free_port, jars_dir
-from stream_rl.kafka.client import KafkaTransport
+from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.members import PROGRAM, program_command
 
 RESULTS = Path(__file__).parent / "results" / "static_members.json"

@@ -34,7 +34,7 @@ import httpx
 import torch
 
 from stream_rl.weights import ServerEndpoint, WeightSender
-from stream_rl.weights.client import ServerClient
+from stream_rl.weights.server_client import ServerClient
 
 RESULTS = Path(__file__).parent / "results" / "weight_stall.json"
 GENERATED_METRIC = "stream_rl_inference_generated_tokens_total"

@@ -145,7 +145,7 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture
 def kafka(kafka_bootstrap: str):  # type: ignore[no-untyped-def]
-    from stream_rl.kafka.client import KafkaTransport
+    from stream_rl.kafka.confluent import KafkaTransport
 
     return KafkaTransport(kafka_bootstrap)
 

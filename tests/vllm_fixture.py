@@ -1,5 +1,5 @@
 """A real vLLM server (the CPU build in `.venv-vllm`, `make vllm`) for the tests, started with the
-launcher's own command line (`stream_rl.inference.servers.launch_for`).
+launcher's own command line (`stream_rl.inference.launching.launch_for`).
 
 vLLM takes a minute or more to start on two cores: `tests/conftest.py` starts the session's
 server when a test first needs it (the vLLM files are scheduled first, as one xdist work unit, so
@@ -74,7 +74,7 @@ class VLLMServer:
             from models import cached_model
 
             from stream_rl.config import load_config
-            from stream_rl.inference.servers import launch_for
+            from stream_rl.inference.launching import launch_for
 
             self.workdir.mkdir(parents=True, exist_ok=True)
             # The demo's model: a tiny Qwen2 warm-started on arithmetic (the e2e demo trains it).

@@ -22,8 +22,8 @@ import torch
 from stream_rl.errors import InferenceError
 from stream_rl.inference.kv import SlotCache
 from stream_rl.inference.requests import Request
+from stream_rl.inference.running_sequence import Sequence
 from stream_rl.inference.sampling import BatchSampling, sample
-from stream_rl.inference.sequence import Sequence
 
 DECODE_SHAPES = ("running", "fixed")
 """`inference.decode_shape`: a decode step over the running sequences, or over every slot."""

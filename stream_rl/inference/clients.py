@@ -1,6 +1,6 @@
 """The client of an inference server, by its engine: `make_client("vllm", url)`.
 
-The base class and the built-in server's client are `stream_rl.inference.client`; vLLM's and
+The base class and the built-in server's client are `stream_rl.inference.builtin_client`; vLLM's and
 SGLang's build on them in `vllm_client.py` and `sglang_client.py`, so the choice among them lives
 here, above all three.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from stream_rl.config import ENGINES
 from stream_rl.errors import ConfigError
-from stream_rl.inference.client import BuiltinClient, InferenceClient
+from stream_rl.inference.builtin_client import BuiltinClient, InferenceClient
 
 
 def make_client(

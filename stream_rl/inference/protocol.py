@@ -1,6 +1,6 @@
 """HTTP request and response bodies of the built-in inference server (pydantic): the one typed
 contract between the server (`openai_routes.py`, `weights_routes.py`) and our client
-(`stream_rl.inference.client.BuiltinClient`), which parses responses with these same models.
+(`stream_rl.inference.builtin_client.BuiltinClient`), which parses responses with these same models.
 
 Requests forbid unknown fields (an unknown or mistyped field is a 400 with a JSON error naming
 it). The OpenAI-compatible bodies accept the OpenAI fields this engine honours, plus the

@@ -1,6 +1,6 @@
 """What a request asks of the engine (`SamplingParams`) and what it gets back (`SequenceResult`,
 `RequestResult`): plain types without torch, so a process that only talks to servers (the actor's
-client) does not import it. A running sequence is `stream_rl.inference.sequence`.
+client) does not import it. A running sequence is `stream_rl.inference.running_sequence`.
 
 Result contract (per sequence):
 - `token_ids` are every sampled token, including the eos token that ended the sequence and

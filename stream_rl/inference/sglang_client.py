@@ -46,7 +46,7 @@ from pydantic import BaseModel, Field, RootModel
 
 from stream_rl.config import SamplingConfig
 from stream_rl.errors import InferenceError
-from stream_rl.inference.client import InferenceClient, Messages, Prompt, is_chat, quote
+from stream_rl.inference.builtin_client import InferenceClient, Messages, Prompt, is_chat, quote
 from stream_rl.inference.completion import Completion
 from stream_rl.inference.vllm_client import WeightVersionSpan, label_version, spans_from_labels
 

@@ -31,7 +31,7 @@ from pydantic import BaseModel, Field
 from stream_rl.config import SamplingConfig
 from stream_rl.contracts.core import INCOMPLETE, VersionSpan
 from stream_rl.errors import InferenceError
-from stream_rl.inference.client import InferenceClient, Prompt, is_chat, quote
+from stream_rl.inference.builtin_client import InferenceClient, Prompt, is_chat, quote
 from stream_rl.inference.completion import Completion
 
 DEFAULT_LABEL = "default"

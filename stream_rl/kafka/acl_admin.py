@@ -228,7 +228,7 @@ def main_acls(args: argparse.Namespace) -> int:
             return 0
         print(plan_json(rows) if args.json else plan_table(rows))
         return 0
-    from stream_rl.kafka.client import KafkaTransport
+    from stream_rl.kafka.confluent import KafkaTransport
 
     transport = KafkaTransport.for_run(cfg.kafka, args.bootstrap)
     transport.check_reachable()

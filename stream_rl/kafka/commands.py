@@ -170,7 +170,7 @@ def add_topics_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main_topics(args: argparse.Namespace) -> int:
-    from stream_rl.kafka.client import KafkaTransport
+    from stream_rl.kafka.confluent import KafkaTransport
 
     if args.action == "table":
         from stream_rl.kafka.topics import topology_markdown
@@ -211,7 +211,7 @@ def main_topics(args: argparse.Namespace) -> int:
 
 
 def _print_counts(transport: object, topics: list[str]) -> None:
-    from stream_rl.kafka.client import KafkaTransport
+    from stream_rl.kafka.confluent import KafkaTransport
 
     assert isinstance(transport, KafkaTransport)
     rows = [("topic", "partitions", "records")]
@@ -239,7 +239,7 @@ def add_lag_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main_lag(args: argparse.Namespace) -> int:
-    from stream_rl.kafka.client import KafkaTransport
+    from stream_rl.kafka.confluent import KafkaTransport
     from stream_rl.kafka.lag import format_lags, run_lags
 
     names, bootstrap, kcfg = _names(args)

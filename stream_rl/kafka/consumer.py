@@ -24,7 +24,9 @@ from stream_rl.kafka.librdkafka import (
 from stream_rl.kafka.outage import DEFAULT_OUTAGE_S, retry
 from stream_rl.kafka.transport import Message, RebalanceCallback, TopicPartition
 
-log = logging.getLogger("stream_rl.kafka.client")  # the name from before the split: log filters keep working
+log = logging.getLogger(
+    "stream_rl.kafka.confluent"
+)  # the name from before the split: log filters keep working
 
 
 # A commit refused because the group rebalanced after these records were fetched (a replica joined

@@ -17,7 +17,9 @@ from stream_rl.kafka.outage import CLIENT_LOG
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 DEFAULT_COMPRESSION = "zstd"
-log = logging.getLogger("stream_rl.kafka.client")  # the name from before the split: log filters keep working
+log = logging.getLogger(
+    "stream_rl.kafka.confluent"
+)  # the name from before the split: log filters keep working
 
 
 Properties = Mapping[str, str | SecretStr]

@@ -150,7 +150,7 @@ class ClientLog(logging.Logger):
     """librdkafka's log callback (the `logger` client setting), rate-limited per client and kind:
     the first line of a kind is logged, repeats within `every_s` are counted into the next one."""
 
-    def __init__(self, name: str = "stream_rl.kafka.client", every_s: float = 30.0) -> None:
+    def __init__(self, name: str = "stream_rl.kafka.confluent", every_s: float = 30.0) -> None:
         super().__init__(name)
         self.target = logging.getLogger("stream_rl.kafka")
         self.every_s = every_s

@@ -29,7 +29,9 @@ from stream_rl.kafka.librdkafka import (
 from stream_rl.kafka.outage import DEFAULT_OUTAGE_S, Backoff, retry, transient
 from stream_rl.kafka.transport import Headers, TopicPartition
 
-log = logging.getLogger("stream_rl.kafka.client")  # the name from before the split: log filters keep working
+log = logging.getLogger(
+    "stream_rl.kafka.confluent"
+)  # the name from before the split: log filters keep working
 
 TRANSACTION_CALL_S = 10.0
 """One try of a transaction step (send_offsets, commit, abort): a timed-out try is retried through

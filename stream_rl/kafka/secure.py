@@ -340,7 +340,7 @@ def enroll(listeners: SecureListeners, run: str, prefix: str, base_config: Path 
     from stream_rl.config import KafkaConfig
     from stream_rl.kafka.acl_admin import KafkaAcls, apply_acls
     from stream_rl.kafka.acls import plan_acls
-    from stream_rl.kafka.client import KafkaTransport
+    from stream_rl.kafka.confluent import KafkaTransport
     from stream_rl.kafka.topics import TopicNames
 
     run_dir = listeners.dir / "runs" / run

@@ -1,6 +1,6 @@
 """The narrow producer/consumer interface every stage is written against.
 
-Two implementations: `stream_rl.kafka.client.KafkaTransport` (confluent-kafka, the real broker)
+Two implementations: `stream_rl.kafka.confluent.KafkaTransport` (confluent-kafka, the real broker)
 and `stream_rl.kafka.memory.MemoryTransport` (unit tests only). Stages receive a transport;
 none is global.
 

@@ -24,8 +24,8 @@ from stream_rl.contracts import Contract, EvalResult, MembershipState, ServerMem
 from stream_rl.errors import ContractError, KafkaError, StreamRLError
 from stream_rl.kafka.broker import pid_alive, resolve_bootstrap
 from stream_rl.kafka.lag import run_lags
-from stream_rl.kafka.membership import read_members
 from stream_rl.kafka.serde import default_serde
+from stream_rl.kafka.servers_topic import read_members
 from stream_rl.kafka.topics import EVAL_RESULTS, WEIGHT_VERSIONS, TopicNames
 from stream_rl.kafka.transport import Transport
 from stream_rl.observe.autoscaling import read_state, status_lines
@@ -247,7 +247,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from stream_rl.kafka.client import KafkaTransport
+    from stream_rl.kafka.confluent import KafkaTransport
 
     cfg = load_config(args.config, args.overrides) if (args.config or args.overrides) else None
     run = args.run or (cfg.run if cfg else None)

@@ -28,7 +28,7 @@ from typing import Any
 from stream_rl.common import heap
 from stream_rl.config import RunConfig, dump_config, load_config
 from stream_rl.contracts import WeightVersionKind
-from stream_rl.inference.servers import check_engine, launch_for
+from stream_rl.inference.launching import check_engine, launch_for
 from stream_rl.kafka.broker import LocalBroker, free_port
 from stream_rl.kafka.stage import StopFlag
 from stream_rl.run.autoscale import autoscaler_for
@@ -94,7 +94,7 @@ class Launcher(Supervision, Scaling):
 
     def start_broker(self) -> str:
         from stream_rl.kafka.broker import resolve_bootstrap
-        from stream_rl.kafka.client import check_reachable
+        from stream_rl.kafka.confluent import check_reachable
 
         cfg = self.config.kafka
         if cfg.bootstrap or os.environ.get("STREAM_RL_KAFKA_BOOTSTRAP"):
@@ -121,7 +121,7 @@ class Launcher(Supervision, Scaling):
         """New, resume, or refuse (`stream_rl/run/identity.py`), before anything starts."""
         import shutil
 
-        from stream_rl.kafka.client import KafkaTransport
+        from stream_rl.kafka.confluent import KafkaTransport
         from stream_rl.kafka.topics import WEIGHT_VERSIONS, TopicNames
         from stream_rl.train.lineage import read_weight_versions
 
@@ -141,7 +141,7 @@ class Launcher(Supervision, Scaling):
         return identity
 
     def apply_topics(self) -> None:
-        from stream_rl.kafka.client import KafkaTransport
+        from stream_rl.kafka.confluent import KafkaTransport
         from stream_rl.kafka.topics import TopicNames, apply_topics, publish_schemas
 
         kafka = KafkaTransport.for_run(self.config.kafka, self.bootstrap)

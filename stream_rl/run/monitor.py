@@ -17,7 +17,7 @@ from tqdm import tqdm
 from stream_rl.config import RunConfig
 from stream_rl.contracts import EvalResult, WeightVersion
 from stream_rl.errors import KafkaError
-from stream_rl.kafka.client import KafkaTransport
+from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.follower import RecordFollower, VersionFollower
 from stream_rl.kafka.lag import LagExporter
 from stream_rl.kafka.topics import EVAL_RESULTS, PROBLEMS, RAW_ROLLOUTS, SCORED, TRAINING_BATCHES, TopicNames

@@ -99,7 +99,7 @@ class Scaling:
 
     # -- the servers ---------------------------------------------------------------------------
     def _transport(self) -> tuple[Transport, Any]:
-        from stream_rl.kafka.client import KafkaTransport
+        from stream_rl.kafka.confluent import KafkaTransport
         from stream_rl.kafka.topics import TopicNames
 
         if self._kafka is None:
@@ -110,7 +110,7 @@ class Scaling:
         """Launched servers an earlier invocation left `draining` or `left` (scaled down, or added
         and stopped with it) are `joined` again: this invocation starts them."""
         from stream_rl.contracts import MembershipState, ServerMembership
-        from stream_rl.kafka.membership import announce, read_members
+        from stream_rl.kafka.servers_topic import announce, read_members
 
         if self.config.inference.servers:
             return []
@@ -132,7 +132,7 @@ class Scaling:
     def leave_scaled_servers(self) -> None:
         """Announce `left` for the servers `scale` added (the run is stopping them); best effort."""
         from stream_rl.contracts import MembershipState, ServerMembership
-        from stream_rl.kafka.membership import announce
+        from stream_rl.kafka.servers_topic import announce
 
         scaled = self._scaled_servers
         if not scaled:

@@ -10,7 +10,7 @@ version: the trainer pushes it that version when it reads the record, and the ac
 only from then on. `leave` writes `draining` (no new request is routed to it; the trainer stops
 pushing to it), waits until the server has no request running or waiting (its `/metrics`), then
 writes `left`: the server can be stopped. The records and what each reader does are in
-`docs/servers-protocol.md`; the topic's readers in `stream_rl.kafka.membership`.
+`docs/servers-protocol.md`; the topic's readers in `stream_rl.kafka.servers_topic`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from stream_rl.config import RunConfig
 from stream_rl.config.inference import normalize_url
 from stream_rl.contracts import MembershipState, ServerMembership
 from stream_rl.errors import ConfigError, InferenceError
-from stream_rl.kafka.membership import announce, read_members
+from stream_rl.kafka.servers_topic import announce, read_members
 from stream_rl.kafka.topics import SERVERS, TopicNames
 from stream_rl.kafka.transport import Transport
 

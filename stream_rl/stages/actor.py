@@ -22,7 +22,7 @@ Invariants:
   problems; rollout ids are deterministic (`<problem_id>.e<epoch>.s<i>`) and the preprocessor
   drops the duplicates. With `actor.seeded_sampling` the re-generated samples even match.
 - No problem is dropped because servers are down: calls wait for a server to come back.
-- Servers that join the run (`servers` topic, `stream_rl.kafka.membership`) are routed to once they
+- Servers that join the run (`servers` topic, `stream_rl.kafka.servers_topic`) are routed to once they
   hold the newest version; a draining one gets no new request (`ServerPool.add` / `drain`).
 - SIGTERM drains: no new admissions, in-flight groups finish (bounded by the request timeout),
   outputs are flushed and offsets committed.
@@ -53,9 +53,9 @@ from stream_rl.contracts import Problem, Rollout, ServerMembership
 from stream_rl.errors import ContractError, KafkaError
 from stream_rl.kafka.dead_letters import DeadLetters
 from stream_rl.kafka.follower import VersionFollower
-from stream_rl.kafka.membership import follow_members, read_members
 from stream_rl.kafka.offsets import OffsetTracker
 from stream_rl.kafka.serde import default_serde
+from stream_rl.kafka.servers_topic import follow_members, read_members
 from stream_rl.kafka.stage import StageStats, StopFlag
 from stream_rl.kafka.topics import PROBLEMS, RAW_ROLLOUTS, TopicNames
 from stream_rl.kafka.transport import Message, TopicPartition, Transport

@@ -31,7 +31,7 @@ from stream_rl.kafka.stage import StageStats, StopFlag
 from stream_rl.kafka.transport import Transport
 
 if TYPE_CHECKING:
-    from stream_rl.kafka.client import KafkaTransport
+    from stream_rl.kafka.confluent import KafkaTransport
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def add_stage_arguments(
 
 def kafka_transport(config: RunConfig) -> KafkaTransport:
     """The Kafka transport of a stage (`KafkaTransport.for_run`). Nothing is contacted yet."""
-    from stream_rl.kafka.client import KafkaTransport
+    from stream_rl.kafka.confluent import KafkaTransport
 
     return KafkaTransport.for_run(config.kafka)
 

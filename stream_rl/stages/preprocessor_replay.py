@@ -217,7 +217,7 @@ def source_config_path(runs_dir: str | Path, run: str) -> Path:
 
 
 def main(args: argparse.Namespace) -> int:
-    from stream_rl.kafka.client import KafkaTransport
+    from stream_rl.kafka.confluent import KafkaTransport
 
     path = args.config or source_config_path(args.runs_dir, args.run)
     overrides = list(args.overrides)

@@ -25,7 +25,7 @@ from stream_rl.inference.completion import Completion
 from stream_rl.tasks.base import Task
 
 if TYPE_CHECKING:
-    from stream_rl.inference.client import CompletionClient
+    from stream_rl.inference.builtin_client import CompletionClient
 
 _TURN_STRIDE = 7919
 

@@ -34,7 +34,7 @@ by a version older than `newest - (max_lag + 1)` marks its server stale and rais
 and nothing of that response is kept). Staleness is bounded by admission; this only keeps a
 server with the wrong weights from feeding the optimizer samples far beyond that bound.
 
-Servers joining and leaving the run (`stream_rl.kafka.membership`): `add(url, client)` puts a
+Servers joining and leaving the run (`stream_rl.kafka.servers_topic`): `add(url, client)` puts a
 joined server in the pool *stale*, so it is routed to only once it reports holding the newest
 published version (the trainer pushes it that version when it reads the same record);
 `drain(url)` routes it no new call, lets the calls in flight on it finish, then forgets it (its
@@ -57,7 +57,7 @@ from stream_rl.contracts import ServerMembership
 from stream_rl.errors import BadRequestError, ConfigError, InferenceError, ServerBusy, StreamRLError
 
 if TYPE_CHECKING:
-    from stream_rl.inference.client import CompletionClient
+    from stream_rl.inference.builtin_client import CompletionClient
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ T = TypeVar("T")
 
 
 ClientFactory = Callable[[str], "CompletionClient"]
-"""url -> client of that server (`stream_rl.inference.client.CompletionClient`)."""
+"""url -> client of that server (`stream_rl.inference.builtin_client.CompletionClient`)."""
 
 
 def server_urls(config: RunConfig) -> list[str]:
@@ -287,7 +287,7 @@ class ServerPool:
         """The `servers` records read since the last call (the latest per url counts): joined ones
         are added (`make_client(url)` for a new one; a draining one is taken back), the others
         drained. Returns the urls that began draining."""
-        from stream_rl.kafka.membership import latest_per_url
+        from stream_rl.kafka.servers_topic import latest_per_url
 
         drained = []
         for m in latest_per_url(records).values():

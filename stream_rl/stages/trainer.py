@@ -14,7 +14,7 @@ the loss is divided by the sequences actually trained in the step. Then: one Ada
 checkpoint when due, publish the `WeightVersion`, and only after a durable checkpoint commit the
 consumed offsets. Undecodable or unusable micro-batches go to `training-batches.dlq`.
 
-Servers joining and leaving the run (`servers`, `stream_rl.kafka.membership`): a joined server is
+Servers joining and leaving the run (`servers`, `stream_rl.kafka.servers_topic`): a joined server is
 joined to the weight sync and pushed the current version as soon as the record is read (between
 micro-batches), so it holds the newest version before any actor routes to it; a draining or left
 one is dropped and never re-joined (`stream_rl.train.roster`).

@@ -214,7 +214,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from stream_rl.kafka.client import KafkaTransport
+    from stream_rl.kafka.confluent import KafkaTransport
 
     config = run_config(args.runs_dir, args.run)
     transport = KafkaTransport.for_run(config.kafka, args.bootstrap)

@@ -1,7 +1,7 @@
 """`stream-rl replay STAGE ...`: re-run one stage on a run's retained topics (docs/running.md "How to replay").
 
 - `replay trainer --run R`: re-train R from its `training-batches`, cut at the steps its
-  `weight-versions` recorded, and compare every checksum (`stream_rl/train/replay.py`).
+  `weight-versions` recorded, and compare every checksum (`stream_rl/train/replay_trainer.py`).
 - `replay preprocessor --run R --into R2 [--set preprocessor.advantage=mean ...]`: re-derive
   training batches from R's `scored` with other settings into a new run R2, an offline ablation
   on the same rollouts (`stream_rl/stages/preprocessor_replay.py`).
@@ -17,7 +17,10 @@ import importlib
 
 # stage -> (module, help)
 REPLAYS: dict[str, tuple[str, str]] = {
-    "trainer": ("stream_rl.train.replay", "re-train a run from its topics and compare every checksum"),
+    "trainer": (
+        "stream_rl.train.replay_trainer",
+        "re-train a run from its topics and compare every checksum",
+    ),
     "preprocessor": (
         "stream_rl.stages.preprocessor_replay",
         "re-derive a run's training batches with other settings into a new run (offline ablation)",

@@ -31,7 +31,7 @@ from stream_rl.kafka.topics import SCORED, TopicNames, apply_topics, publish_sch
 from stream_rl.tasks import get_task
 
 if TYPE_CHECKING:
-    from stream_rl.kafka.client import KafkaTransport
+    from stream_rl.kafka.confluent import KafkaTransport
 
 VERIFIER_ID = "rescore"
 
@@ -117,7 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from stream_rl.kafka.client import KafkaTransport
+    from stream_rl.kafka.confluent import KafkaTransport
     from stream_rl.stages.preprocessor_replay import replay_config
     from stream_rl.train.record import recorded_config_path
 

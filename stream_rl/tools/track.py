@@ -233,7 +233,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from stream_rl.errors import ConfigError
-    from stream_rl.kafka.client import KafkaTransport
+    from stream_rl.kafka.confluent import KafkaTransport
     from stream_rl.tools.export import run_config
 
     config = run_config(args.runs_dir, args.run)

@@ -9,7 +9,7 @@
 - `stream_rl.train.checkpoint`: atomic checkpoints (weights, optimizer, scheduler, RNG, counters,
   consumed offsets) and resume.
 - `stream_rl.train.lineage`: reading the run's `weight-versions` log (resume, replay).
-- `stream_rl.train.replay`: `stream-rl replay trainer`: re-train a run and compare checksums.
+- `stream_rl.train.replay_trainer`: `stream-rl replay trainer`: re-train a run and compare checksums.
 - `stream_rl.train.deepspeed_backend`: the same trainer on DeepSpeed ZeRO (GPU only).
 - `stream_rl.train.fsdp_backend`: the same trainer on FSDP2 `fully_shard` (CPU/gloo or GPU).
 - `stream_rl.train.ranks`: what both distributed backends share: rank 0's commands to the other

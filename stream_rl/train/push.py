@@ -21,7 +21,7 @@ from stream_rl.errors import InferenceError, WeightSyncError
 from stream_rl.kafka.stage import StopFlag
 
 if TYPE_CHECKING:
-    from stream_rl.weights.client import ServerEndpoint
+    from stream_rl.weights.server_client import ServerEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def _engine_sender(config: RunConfig, engine: str, endpoints: list[ServerEndpoin
         return SGLangWeightSender(
             endpoints, master_addr=addr, master_port=port, timeout_s=timeout_s, pause=pause_policy(config)
         )
-    from stream_rl.weights.transport import make_builtin_sender
+    from stream_rl.weights.sender_choice import make_builtin_sender
 
     # trainer.weight_transport (transport.py): gloo, nccl, cuda_ipc, or auto (per server, by device)
     sender: WeightPusher = make_builtin_sender(

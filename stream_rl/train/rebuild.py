@@ -43,7 +43,7 @@ def rebuild_version(
 ) -> TrainerBackend:
     """A trainer backend holding exactly version `version` of the run (see the module docstring)."""
     from stream_rl.train.backends import build_trainer
-    from stream_rl.train.replay import _Reader
+    from stream_rl.train.replay_trainer import _Reader
     from stream_rl.train.step_runner import StepRunner, unusable_reason
 
     serde = default_serde()

@@ -1,6 +1,6 @@
 """The trainer's servers: the configured ones plus those that joined the run, less those that left.
 
-Fed from the `servers` topic (`stream_rl.kafka.membership`): `apply(records)` adds a joined server
+Fed from the `servers` topic (`stream_rl.kafka.servers_topic`): `apply(records)` adds a joined server
 to the weight sender (`add_server`: the next `connect()` joins it) and forgets a draining or left
 one (its group released, never re-joined); it returns the urls that joined, which the trainer then
 connects and pushes the current version at once (`TrainerStage._welcome`).
@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from stream_rl.config import RunConfig, ServerConfig
 from stream_rl.contracts import ServerMembership
-from stream_rl.kafka.membership import latest_per_url
+from stream_rl.kafka.servers_topic import latest_per_url
 from stream_rl.train.push import WeightPusher, add_server
 
 log = logging.getLogger(__name__)

@@ -27,8 +27,8 @@ from stream_rl.config import RunConfig, ServerConfig
 from stream_rl.contracts import ServerMembership
 from stream_rl.errors import WeightSyncError
 from stream_rl.kafka.follower import RecordFollower
-from stream_rl.kafka.membership import follow_members, read_members
 from stream_rl.kafka.serde import Serde
+from stream_rl.kafka.servers_topic import follow_members, read_members
 from stream_rl.kafka.stage import StopFlag
 from stream_rl.kafka.topics import TopicNames
 from stream_rl.kafka.transport import Transport

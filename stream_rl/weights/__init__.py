@@ -11,9 +11,9 @@
 
 from stream_rl.weights.buckets import TensorMeta, pack_bucket, plan_buckets, unpack_bucket
 from stream_rl.weights.checksum import weights_checksum
-from stream_rl.weights.client import ServerEndpoint
 from stream_rl.weights.receiver import WeightReceiver
 from stream_rl.weights.sender import PushReport, WeightSender
+from stream_rl.weights.server_client import ServerEndpoint
 
 __all__ = [
     "PushReport",

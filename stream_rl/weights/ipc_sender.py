@@ -28,10 +28,10 @@ import torch
 
 from stream_rl.errors import WeightSyncError
 from stream_rl.weights.buckets import TensorMeta, plan_buckets
-from stream_rl.weights.client import ServerClient, ServerEndpoint
 from stream_rl.weights.group import gpu_uuid
 from stream_rl.weights.ipc import pack_shared, share
 from stream_rl.weights.sender import PushReport, check_against_server
+from stream_rl.weights.server_client import ServerClient, ServerEndpoint
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from typing import Any
 
 from stream_rl.errors import WeightSyncError
 from stream_rl.weights.buckets import TensorMeta, plan_buckets
-from stream_rl.weights.client import ServerClient, UpdateAnswer
 from stream_rl.weights.lora import LoraTensors, pair_metas
+from stream_rl.weights.server_client import ServerClient, UpdateAnswer
 
 log = logging.getLogger(__name__)
 

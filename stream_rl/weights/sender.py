@@ -10,7 +10,7 @@ Usage (rank 0 of the trainer; the default process group, if any, is never touche
     sender.close()
 
 `add(endpoint)` and `forget(url)` change the servers during a run (servers joining and leaving it:
-`stream_rl.kafka.membership`); the next `connect()` joins an added one.
+`stream_rl.kafka.servers_topic`); the next `connect()` joins an added one.
 
 Topology: **one group per server** (world size 2: the trainer is rank 0, the server rank 1),
 each on its own TCP store and port, rather than one group shared by all servers.
@@ -62,10 +62,10 @@ import torch
 from stream_rl.errors import WeightSyncError
 from stream_rl.weights.broadcast import send_buckets
 from stream_rl.weights.buckets import TensorMeta, plan_buckets
-from stream_rl.weights.client import ServerClient, ServerEndpoint, UpdateAnswer
 from stream_rl.weights.group import SyncGroup, check_backend, host_store
 from stream_rl.weights.lora import adapters_of
 from stream_rl.weights.lora_push import push_adapters
+from stream_rl.weights.server_client import ServerClient, ServerEndpoint, UpdateAnswer
 from stream_rl.weights.shaping import HeldWeights, cast_to, check_push_options, server_dtypes
 
 __all__ = ["PushReport", "ServerEndpoint", "WeightSender"]

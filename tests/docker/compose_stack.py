@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from stream_rl.contracts import Rollout, ScoredRollout, TrainingBatch
 from stream_rl.kafka.broker import free_port
-from stream_rl.kafka.client import KafkaTransport
+from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.lag import partition_lags
 from stream_rl.kafka.reader import read_to_end
 from stream_rl.kafka.serde import default_serde

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from stream_rl.contracts import TrainingBatch
-from stream_rl.kafka.client import KafkaTransport
+from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.topics import TRAINING_BATCHES, TopicNames
 from stream_rl.train.lineage import read_weight_versions

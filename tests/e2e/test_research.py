@@ -19,7 +19,7 @@ import yaml
 
 from stream_rl.config import RunConfig, load_config
 from stream_rl.contracts import EvalResult, ScoredRollout, WeightVersion, token_versions
-from stream_rl.kafka.client import KafkaTransport
+from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.reader import read_to_end
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.topics import EVAL_RESULTS, SCORED, TopicNames

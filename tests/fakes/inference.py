@@ -1,7 +1,7 @@
 """Hand-written fakes of the inference side, for actor tests that need no model.
 
 `FakeServer` is one server's state (weight version, up/down, calls in flight); `FakeClient`
-speaks the `stream_rl.inference.client.InferenceClient` interface the actor uses: `complete(prompt,
+speaks the `stream_rl.inference.builtin_client.InferenceClient` interface the actor uses: `complete(prompt,
 sampling, seed=)` / `complete_many(...)` where prompt is chat messages (single-turn) or token ids
 (multi-turn turns), returning real `Completion`s; `health()`, `version()`, `aclose()`. Tokens are characters: id = ord(char); END (id 3) ends a reply.
 

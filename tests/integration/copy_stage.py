@@ -8,7 +8,7 @@ import sys
 import time
 
 from stream_rl.contracts import Problem
-from stream_rl.kafka.client import KafkaTransport
+from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.stage import Incoming, Output, Reject, StageLoop, StopFlag
 
 

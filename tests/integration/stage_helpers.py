@@ -12,7 +12,7 @@ from typing import Any
 from fakes.records import make_weight_version
 
 from stream_rl.config import RunConfig
-from stream_rl.kafka.client import KafkaTransport
+from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.reader import read_to_end
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.stage import StageStats, StopFlag

@@ -21,7 +21,7 @@ from stream_rl.errors import KafkaError
 from stream_rl.kafka.acl_admin import KafkaAcls
 from stream_rl.kafka.acls import ROLES, Acl, in_scope, plan_acls
 from stream_rl.kafka.broker import LocalBroker, free_port
-from stream_rl.kafka.client import KafkaTransport
+from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.listener import SaslSslListener
 from stream_rl.kafka.reader import read_to_end
 from stream_rl.kafka.serde import default_serde

@@ -12,7 +12,7 @@ from fakes.records import make_problem
 from stream_rl.errors import BrokerError
 from stream_rl.kafka.broker import LocalBroker, free_port
 from stream_rl.kafka.class_archive import ClassArchive
-from stream_rl.kafka.client import KafkaTransport
+from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.topics import PROBLEMS, TopicNames, apply_topics
 

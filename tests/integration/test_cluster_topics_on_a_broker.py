@@ -8,7 +8,7 @@ import uuid
 import pytest
 
 from stream_rl.errors import ConfigError
-from stream_rl.kafka.client import KafkaTransport
+from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.topics import TopicNames, apply_topics
 
 pytestmark = pytest.mark.integration

@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 
 from stream_rl.contracts import TrainingBatch, WeightVersion
 from stream_rl.kafka.broker import free_port
-from stream_rl.kafka.client import KafkaTransport
+from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.topics import TopicNames, apply_topics
 from stream_rl.stages import trainer as trainer_stage
 from stream_rl.train.checkpoint import latest_checkpoint

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stream_rl.config import SamplingConfig
 from stream_rl.errors import BadRequestError, InferenceError
-from stream_rl.inference.client import BuiltinClient
+from stream_rl.inference.builtin_client import BuiltinClient
 from stream_rl.inference.engine import Engine
 from stream_rl.inference.model_maker import make_model
 

@@ -17,7 +17,7 @@ from fakes.records import examples, make_problem, make_rollout
 from fastavro import parse_schema, schemaless_reader
 
 from stream_rl.contracts import Problem, Rollout
-from stream_rl.kafka.client import KafkaTransport
+from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.lag import partition_lags, run_lags
 from stream_rl.kafka.serde import default_serde, schema_dir
 from stream_rl.kafka.stage import Incoming, Output, Reject, StageLoop

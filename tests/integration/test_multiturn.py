@@ -16,7 +16,7 @@ from stage_helpers import count, make_config, publish_version, read
 
 from stream_rl.config import SamplingConfig
 from stream_rl.contracts import ChatMessage, Problem, Rollout, Verdict, VersionSpan
-from stream_rl.kafka.client import KafkaTransport
+from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.topics import PROBLEMS, RAW_ROLLOUTS, TopicNames
 from stream_rl.stages import actor, loader
@@ -120,7 +120,7 @@ class WrongGuesses:
 
 
 def test_a_long_game_with_the_tiny_model_is_one_sequence_the_model_scores_back(tiny_server: Any) -> None:
-    from stream_rl.inference.client import BuiltinClient
+    from stream_rl.inference.builtin_client import BuiltinClient
 
     task = get_task("guessing", {"max_number": 16, "max_turns": 4})
     problem: Problem = next(p for p in task.load_problems("run", 0) if p.answer == "9")

@@ -16,7 +16,7 @@ from fakes.trainer import FakeTrainer
 from stage_helpers import StageThread, make_config, publish_version, read, wait_for
 
 from stream_rl.contracts import Problem, ScoredRollout, TrainingBatch, TrainingSample, Verdict
-from stream_rl.kafka.client import KafkaTransport
+from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.topics import PROBLEMS, SCORED, TRAINING_BATCHES, TopicNames
 from stream_rl.rl.advantages import compute_advantages

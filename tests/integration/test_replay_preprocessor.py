@@ -16,7 +16,7 @@ from stage_helpers import make_config, read
 from stream_rl import cli
 from stream_rl.config import dump_config, load_config
 from stream_rl.contracts import TrainingBatch
-from stream_rl.kafka.client import KafkaTransport
+from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.topics import SCORED, TRAINING_BATCHES, TopicNames
 from stream_rl.stages import trainer as trainer_stage

@@ -18,7 +18,7 @@ import yaml
 from fastavro import parse_schema, schemaless_reader, schemaless_writer
 from fastavro.schema import fingerprint, to_parsing_canonical_form
 
-from stream_rl.kafka.membership import announce, read_members
+from stream_rl.kafka.servers_topic import announce, read_members
 from stream_rl.kafka.topics import TopicNames
 
 pytestmark = pytest.mark.integration

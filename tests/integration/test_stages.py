@@ -27,7 +27,7 @@ from stage_helpers import (
 
 from stream_rl.config import dump_config
 from stream_rl.contracts import PartialGroup, Problem, Rollout, ScoredRollout, TrainingBatch, Verdict
-from stream_rl.kafka.client import KafkaTransport
+from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.topics import PROBLEMS, RAW_ROLLOUTS, SCORED, TRAINING_BATCHES, TopicNames
 from stream_rl.stages import actor, loader, preprocessor, verifier

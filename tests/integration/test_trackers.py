@@ -36,7 +36,7 @@ def tracked_run(
     """A run's topics with 5 versions and 3 evaluations, its run directory, and the expected metrics."""
     import uuid
 
-    from stream_rl.kafka.client import KafkaTransport
+    from stream_rl.kafka.confluent import KafkaTransport
     from stream_rl.kafka.topics import apply_topics
 
     kafka = KafkaTransport(kafka_bootstrap)

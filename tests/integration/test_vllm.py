@@ -32,7 +32,7 @@ from stream_rl.contracts import VersionSpan
 from stream_rl.errors import BadRequestError
 from stream_rl.inference.vllm_client import VLLMClient
 from stream_rl.weights.adapters.vllm import PAUSE_MODES, VLLMWeightSender
-from stream_rl.weights.client import ServerEndpoint
+from stream_rl.weights.server_client import ServerEndpoint
 
 # The first test may wait for the session's vLLM server to start (minutes on a busy machine).
 pytestmark = [
@@ -513,7 +513,7 @@ def test_a_vllm_server_joins_a_run_as_the_servers_protocol_says(
     """docs/servers-protocol.md with vLLM: `servers join --engine vllm`'s health and version
     routes, the trainer's sender taking a server added after it started, and the `/metrics`
     gauges `servers leave` drains on (vLLM's names)."""
-    from stream_rl.kafka.membership import read_members
+    from stream_rl.kafka.servers_topic import read_members
     from stream_rl.run.servers import _held, join_server, load
 
     said: list[str] = []

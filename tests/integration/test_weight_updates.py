@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from stream_rl.config import SamplingConfig
 from stream_rl.errors import WeightSyncError
-from stream_rl.inference.client import BuiltinClient
+from stream_rl.inference.builtin_client import BuiltinClient
 from stream_rl.inference.engine import Engine
 from stream_rl.inference.model_maker import make_model
 from stream_rl.inference.parameters import DTYPES

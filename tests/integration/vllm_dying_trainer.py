@@ -20,7 +20,7 @@ import torch
 
 from stream_rl.weights.adapters.vllm import VLLMWeightSender
 from stream_rl.weights.buckets import TensorMeta, plan_buckets
-from stream_rl.weights.client import ServerEndpoint
+from stream_rl.weights.server_client import ServerEndpoint
 
 DEAD_SEED = 6
 

@@ -108,11 +108,11 @@ class _RecordingProducer:
 def test_producers_are_idempotent_with_acks_all(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where: `stream_rl/kafka/producer.py` KafkaProducer, the only producer class every stage uses
     (plain and transactional); client properties cannot override these (config refuses them)."""
-    from stream_rl.kafka import client
+    from stream_rl.kafka import confluent
 
     _RecordingProducer.confs = []
-    monkeypatch.setattr(client.ck, "Producer", _RecordingProducer)
-    kafka = client.KafkaTransport("b:9092", properties={"linger.ms": "50"})
+    monkeypatch.setattr(confluent.ck, "Producer", _RecordingProducer)
+    kafka = confluent.KafkaTransport("b:9092", properties={"linger.ms": "50"})
     kafka.producer("plain")
     kafka.producer("tx", transactional_id="tx-1")
     for conf in _RecordingProducer.confs:

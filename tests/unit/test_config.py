@@ -78,7 +78,7 @@ def test_secrets_are_masked_in_dumps() -> None:
 
 
 def test_the_decode_shape_reaches_launched_builtin_servers_and_is_refused_elsewhere() -> None:
-    from stream_rl.inference.servers import launch_for
+    from stream_rl.inference.launching import launch_for
 
     cmd = launch_for(load_config(None, ["inference.decode_shape=fixed"]), 0).cmd
     assert cmd[cmd.index("--decode-shape") + 1] == "fixed"

@@ -11,7 +11,7 @@ import confluent_kafka as ck
 import pytest
 
 from stream_rl.errors import KafkaError
-from stream_rl.kafka.client import KafkaConsumer
+from stream_rl.kafka.confluent import KafkaConsumer
 
 pytestmark = pytest.mark.unit
 

@@ -217,7 +217,7 @@ def test_unknown_task_missing_model_and_unreachable_kafka_are_one_line_errors(
     from stream_rl.config import RunConfig
     from stream_rl.errors import StreamRLError
     from stream_rl.kafka.broker import free_port
-    from stream_rl.kafka.client import check_reachable
+    from stream_rl.kafka.confluent import check_reachable
     from stream_rl.kafka.stage import StopFlag
     from stream_rl.run.launch import Launcher
 
@@ -389,13 +389,13 @@ def test_the_run_summary_line_survives_a_run_without_rewards(capsys) -> None:  #
 def test_a_transaction_call_that_never_returns_wedges_the_producer_instead_of_hanging(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import time as _time
 
-    from stream_rl.kafka import client, librdkafka
+    from stream_rl.kafka import confluent, librdkafka
 
     monkeypatch.setattr(librdkafka, "BOUNDED_GRACE_S", 0.2)
-    producer = client.KafkaProducer("127.0.0.1:1", "wedge-test", transactional_id="tx-wedge")
-    with pytest.raises(client.Wedged, match="did not return"):
+    producer = confluent.KafkaProducer("127.0.0.1:1", "wedge-test", transactional_id="tx-wedge")
+    with pytest.raises(confluent.Wedged, match="did not return"):
         producer._transaction_step("commit_transaction", lambda t: _time.sleep(5), timeout=0.1)
-    with pytest.raises(client.Wedged, match="wedged"):
+    with pytest.raises(confluent.Wedged, match="wedged"):
         producer.abort_transaction()  # no conflicting second call: the stage exits and restarts
 
 

@@ -18,7 +18,7 @@ import pytest
 from stream_rl.config import SamplingConfig
 from stream_rl.contracts import VersionSpan
 from stream_rl.errors import BadRequestError, InferenceError
-from stream_rl.inference.client import BuiltinClient
+from stream_rl.inference.builtin_client import BuiltinClient
 from stream_rl.inference.clients import make_client
 from stream_rl.inference.protocol import (
     AssistantMessage,

@@ -123,15 +123,15 @@ class AdminClient(_Recorder):
 
 
 def test_every_client_constructor_gets_the_properties(password: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from stream_rl.kafka import client, probe
+    from stream_rl.kafka import confluent, probe
 
     _Recorder.confs = []
-    monkeypatch.setattr(client.ck, "Producer", Producer)
-    monkeypatch.setattr(client.ck, "Consumer", Consumer)
-    monkeypatch.setattr(client, "AdminClient", AdminClient)
+    monkeypatch.setattr(confluent.ck, "Producer", Producer)
+    monkeypatch.setattr(confluent.ck, "Consumer", Consumer)
+    monkeypatch.setattr(confluent, "AdminClient", AdminClient)
     monkeypatch.setattr(probe, "AdminClient", AdminClient)  # check_reachable's
     cfg = load_config(None, SECURED)
-    kafka = client.KafkaTransport.for_config(cfg.kafka, "broker:9093")
+    kafka = confluent.KafkaTransport.for_config(cfg.kafka, "broker:9093")
     kafka.producer("p")
     kafka.producer("t", transactional_id="tx")
     kafka.consumer("g", "c")
@@ -184,7 +184,7 @@ def test_every_process_builds_its_transport_from_its_config() -> None:
     compression), and every `check_reachable` outside the client passes properties."""
     bare = [f"{p}:{c.lineno}" for p, c in _calls("KafkaTransport")]
     assert bare == []
-    by_hand = {f"{p}:{c.lineno}" for p, c in _calls("for_config") if str(p) != "stream_rl/kafka/client.py"}
+    by_hand = {f"{p}:{c.lineno}" for p, c in _calls("for_config") if str(p) != "stream_rl/kafka/confluent.py"}
     assert by_hand <= {"stream_rl/stages/actor.py:119"}, by_hand  # Admission.for_config, not Kafka
     users = {str(p) for p, _ in _calls("for_run")}
     for module in (
@@ -192,7 +192,7 @@ def test_every_process_builds_its_transport_from_its_config() -> None:
         "run/launch.py",
         "observe/status.py",
         "kafka/commands.py",
-        "train/replay.py",
+        "train/replay_trainer.py",
         "stages/preprocessor_replay.py",
         "run/monitor.py",
         "run/scaling.py",
@@ -202,7 +202,7 @@ def test_every_process_builds_its_transport_from_its_config() -> None:
     ):
         assert f"stream_rl/{module}" in users, module
     for path, call in _calls("check_reachable", methods=False):  # a transport's own carries them
-        if path != Path("stream_rl/kafka/client.py"):
+        if path != Path("stream_rl/kafka/confluent.py"):
             assert any(k.arg == "properties" for k in call.keywords), f"{path}:{call.lineno}"
     # Raw librdkafka clients are built in the client modules only (plus the local broker's own
     # readiness probe, which talks to the broker it started).
@@ -302,7 +302,7 @@ def test_a_runs_transport_takes_its_data_dir_outage_timeout_and_compression(
 
     monkeypatch.delenv("STREAM_RL_KAFKA_BOOTSTRAP", raising=False)
 
-    from stream_rl.kafka.client import KafkaTransport
+    from stream_rl.kafka.confluent import KafkaTransport
 
     (tmp_path / "cluster.json").write_text(json.dumps({"ports": [19092, 19093]}))
     kafka = KafkaConfig(data_dir=str(tmp_path), outage_timeout_s=7.5, compression="zstd")

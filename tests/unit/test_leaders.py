@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from stream_rl.errors import KafkaError
-from stream_rl.kafka.client import KafkaTransport
+from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.leaders import FIRST_TRY_TIMEOUT_S, SLOW_TRY_TIMEOUT_S, LeaderHealth, leaders_of
 from stream_rl.kafka.outage import TransientKafkaError
 

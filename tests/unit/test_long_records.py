@@ -19,7 +19,7 @@ from stream_rl.contracts import (
     Verdict,
     VersionSpan,
 )
-from stream_rl.kafka.client import MAX_MESSAGE_BYTES
+from stream_rl.kafka.confluent import MAX_MESSAGE_BYTES
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.topics import load_topology
 from stream_rl.stages.micro_batches import pack

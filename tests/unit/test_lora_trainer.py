@@ -20,7 +20,7 @@ from stream_rl.stages import trainer as trainer_stage
 from stream_rl.train.backends import build_trainer
 from stream_rl.train.checkpoint import latest_checkpoint
 from stream_rl.train.lora import LoraTrainer
-from stream_rl.train.replay import replay_trainer
+from stream_rl.train.replay_trainer import replay_trainer
 from stream_rl.weights.checksum import weights_checksum
 from stream_rl.weights.lora import adapters_of, merge
 

@@ -22,7 +22,7 @@ from stream_rl.train.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from stream_rl.train.replay import replay_trainer
+from stream_rl.train.replay_trainer import replay_trainer
 
 pytestmark = pytest.mark.unit
 

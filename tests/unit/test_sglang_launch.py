@@ -12,7 +12,7 @@ import pytest
 
 from stream_rl.config import ADMIN_TOKEN_ENV, load_config
 from stream_rl.errors import ConfigError
-from stream_rl.inference.servers import check_engine, launch_for
+from stream_rl.inference.launching import check_engine, launch_for
 
 pytestmark = pytest.mark.unit
 

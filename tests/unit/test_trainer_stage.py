@@ -239,7 +239,7 @@ def test_a_server_joining_the_run_is_pushed_the_current_version_and_a_leaving_on
 
     from fakes.records import make_membership
 
-    from stream_rl.kafka.membership import announce
+    from stream_rl.kafka.servers_topic import announce
 
     transport = MemoryTransport()
     names = setup_topics(transport, "r1", [])

@@ -31,7 +31,7 @@ from stream_rl.config import SamplingConfig
 from stream_rl.errors import WeightSyncError
 from stream_rl.inference.vllm_client import VLLMClient
 from stream_rl.weights.adapters.vllm import INCOMPLETE, VLLMWeightSender, weight_source
-from stream_rl.weights.client import ServerEndpoint
+from stream_rl.weights.server_client import ServerEndpoint
 
 pytestmark = pytest.mark.vllm033
 

@@ -9,8 +9,8 @@ import torch
 from stream_rl.config import load_config
 from stream_rl.errors import ConfigError, WeightSyncError
 from stream_rl.weights import TensorMeta, WeightSender
+from stream_rl.weights.sender_choice import make_builtin_sender
 from stream_rl.weights.shaping import HeldWeights, cast_to, moved, server_dtypes
-from stream_rl.weights.transport import make_builtin_sender
 
 pytestmark = pytest.mark.unit
 
@@ -138,7 +138,7 @@ def test_config_refusals_are_one_line(overrides: list[str], message: str) -> Non
 
 
 def test_a_bf16_engine_for_an_fp32_trainer_is_launched_and_pushed_cast() -> None:
-    from stream_rl.inference.servers import launch_for
+    from stream_rl.inference.launching import launch_for
     from stream_rl.train.push import make_sender
 
     config = load_config(

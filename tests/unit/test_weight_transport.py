@@ -22,7 +22,7 @@ from stream_rl.train.push import make_sender
 from stream_rl.train.step import load_model
 from stream_rl.weights import ServerEndpoint, TensorMeta, WeightSender, weights_checksum
 from stream_rl.weights.receiver import WeightReceiver
-from stream_rl.weights.transport import make_builtin_sender
+from stream_rl.weights.sender_choice import make_builtin_sender
 
 pytestmark = pytest.mark.unit
 TOKEN = "t0k"

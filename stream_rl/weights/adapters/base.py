@@ -31,8 +31,8 @@ import torch
 from stream_rl.contracts.core import INCOMPLETE
 from stream_rl.errors import WeightSyncError
 from stream_rl.kafka.broker import free_port
-from stream_rl.weights.client import ServerEndpoint
 from stream_rl.weights.sender import PushReport
+from stream_rl.weights.server_client import ServerEndpoint
 
 __all__ = ["INCOMPLETE", "EngineSender", "dtype_name", "require_cuda"]
 

@@ -66,7 +66,7 @@ from pydantic import BaseModel, Field, ValidationError
 from stream_rl.errors import WeightSyncError
 from stream_rl.weights.adapters.base import INCOMPLETE, EngineSender, dtype_name, require_cuda
 from stream_rl.weights.adapters.sglang_group import Collectives, TorchCollectives, pack, plan_buckets
-from stream_rl.weights.client import ServerEndpoint
+from stream_rl.weights.server_client import ServerEndpoint
 
 log = logging.getLogger(__name__)
 

@@ -65,8 +65,8 @@ from stream_rl.errors import WeightSyncError
 from stream_rl.weights.adapters.base import INCOMPLETE, EngineSender, dtype_name
 from stream_rl.weights.broadcast import send_buckets
 from stream_rl.weights.buckets import TensorMeta, plan_buckets
-from stream_rl.weights.client import ServerEndpoint
 from stream_rl.weights.group import SyncGroup, host_store
+from stream_rl.weights.server_client import ServerEndpoint
 from stream_rl.weights.vllm_guard import DISCARDED, GLOO_BACKEND
 
 log = logging.getLogger(__name__)

@@ -20,9 +20,9 @@ import httpx
 import torch
 
 from stream_rl.errors import WeightSyncError
-from stream_rl.weights.client import ServerClient, ServerEndpoint
 from stream_rl.weights.group import gpu_uuid
 from stream_rl.weights.sender import PushReport, WeightSender
+from stream_rl.weights.server_client import ServerClient, ServerEndpoint
 
 if TYPE_CHECKING:
     from stream_rl.weights.ipc_sender import IpcWeightSender

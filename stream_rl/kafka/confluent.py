@@ -3,7 +3,7 @@
 Split by role: `librdkafka` (client properties, construction, error mapping, bounded calls),
 `probe` (`check_reachable`), `producer` (`KafkaProducer`), `consumer` (`KafkaConsumer`); this
 module composes them into `KafkaTransport` (the client factory and admin calls of one cluster)
-and re-exports their public names. Import from `stream_rl.kafka.client`.
+and re-exports their public names. Import from `stream_rl.kafka.confluent`.
 """
 
 from __future__ import annotations

@@ -185,7 +185,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from stream_rl.kafka.client import KafkaTransport
+    from stream_rl.kafka.confluent import KafkaTransport
 
     recorded = recorded_config_path(args.runs_dir, args.run)
     if not recorded.is_file():  # no trainer ran yet: the launcher's (or `replay preprocessor`'s) config
