@@ -41,7 +41,6 @@ import functools
 import logging
 import time
 from collections import deque
-from typing import Any
 
 from prometheus_client import Counter, Gauge
 
@@ -62,7 +61,7 @@ from stream_rl.kafka.transport import Message, TopicPartition, Transport
 from stream_rl.stages.admission import Admission, Key, ViewRefresh
 from stream_rl.stages.entry import Instance, add_stage_arguments, open_transport, run_stage_command
 from stream_rl.stages.problem_order import PartitionFlow, ProblemOrder
-from stream_rl.stages.rollouts import ChatTokenizer, Sampler, sample_seed
+from stream_rl.stages.rollouts import ChatTokenizer, Sampler, Tokenizer, sample_seed
 from stream_rl.stages.routing import (
     ClientFactory,
     RequestRejected,
@@ -96,7 +95,7 @@ class Actor:
         stop: StopFlag,
         instance: Instance = 0,
         client_factory: ClientFactory | None = None,
-        tokenizer: Any = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self.config = config
         self.cfg = config.actor
@@ -472,7 +471,7 @@ def run(
     idle_timeout_s: float | None = None,
     instance: Instance = 0,
     client_factory: ClientFactory | None = None,
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
 ) -> StageStats:
     """Run the actor until stopped, `max_records` problems taken, or `idle_timeout_s` without work.
     `client_factory(url)` replaces the HTTP client and `tokenizer` (render/decode) the model's

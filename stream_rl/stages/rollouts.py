@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from stream_rl.config import SamplingConfig
 from stream_rl.contracts import ChatMessage, Problem, Rollout, now_ms
@@ -79,7 +79,9 @@ class Sampler:
     server's: the pool retries): a whole single-turn group in one request (`sample_group`), or
     one multi-turn rollout (`sample_conversation`)."""
 
-    def __init__(self, task: Task, tokenizer: Any, sampling: SamplingConfig, actor_id: str) -> None:
+    def __init__(
+        self, task: Task, tokenizer: Tokenizer | None, sampling: SamplingConfig, actor_id: str
+    ) -> None:
         self.task = task
         self.tokenizer = tokenizer
         self.sampling = sampling
@@ -145,6 +147,14 @@ class Sampler:
         return rollouts
 
 
+class Tokenizer(Protocol):
+    """What a multi-turn rollout needs of the model's tokenizer: `ChatTokenizer`, or a test's."""
+
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
 class ChatTokenizer:
     """`render`/`decode` with the model's own tokenizer and chat template (multi-turn tasks only;
     transformers is imported on first use)."""
@@ -172,7 +182,7 @@ class ChatTokenizer:
 class TurnClient:
     """A `ModelClient` bound to ONE server's client for the whole multi-turn rollout."""
 
-    def __init__(self, client: CompletionClient, tokenizer: Any, seed: int | None) -> None:
+    def __init__(self, client: CompletionClient, tokenizer: Tokenizer, seed: int | None) -> None:
         """`tokenizer`: `render(messages, add_generation_prompt=True)` and `decode(ids)`, e.g. a
         `ChatTokenizer`."""
         self._client = client
