@@ -23,10 +23,16 @@ logs=$(sed -n 's/^log.dirs=//p' "$conf" | cut -d, -f1)
 java="java ${KAFKA_HEAP_OPTS:--Xmx512m} -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -Djava.awt.headless=true
   -Dlog4j2.configurationFile=$home/config/log4j2.properties -Dstream_rl.started_log=$home/started.log
   ${KAFKA_OPTS:-} -cp $home/libs/*"
+# The secured variant (deploy/compose/secure.yml): the operator's SCRAM user, made at format so that
+# its first login works (its password from the file the variable names, a Compose secret).
+scram=""
+if [ -n "${STREAM_RL_KAFKA_OPERATOR_PASSWORD_FILE:-}" ]; then
+  scram="--add-scram SCRAM-SHA-512=[name=operator,password=$(cat "$STREAM_RL_KAFKA_OPERATOR_PASSWORD_FILE")]"
+fi
 if [ ! -f "$logs/meta.properties" ]; then
   : "${CLUSTER_ID:?set CLUSTER_ID (a base64 UUID) to format the KRaft storage}"
   # `=`: an id may start with "-", which the tool's parser would take for an option.
-  $java -Xmx256m kafka.tools.StorageTool format --cluster-id="$CLUSTER_ID" -c "$conf" >/dev/null
+  $java -Xmx256m kafka.tools.StorageTool format --cluster-id="$CLUSTER_ID" -c "$conf" $scram >/dev/null
 fi
 rm -f "$home/started.log"
 exec $java kafka.Kafka "$conf"

@@ -13,7 +13,7 @@ from stream_rl.kafka.topics import TopicNames, apply_topics, publish_schemas
 
 
 def add_kafka_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=["fetch", "up", "down", "status"])
+    p.add_argument("action", choices=["fetch", "up", "down", "status", "compose-secrets", "users"])
     p.add_argument("--data-dir", default=".kafka", help="broker data dir (default .kafka)")
     p.add_argument("--port", type=int, default=9092, help="client port (default 9092)")
     p.add_argument(
@@ -42,7 +42,20 @@ def add_kafka_arguments(p: argparse.ArgumentParser) -> None:
         "--config",
         default=None,
         help="up --secure: a run config; its run name and prefix are enrolled and a copy with the "
-        "secure kafka: section is written",
+        "secure kafka: section is written. compose-secrets: the run config the Compose services get "
+        "(default configs/demo-docker.yaml). users: the config whose principals to create, as its operator",
+    )
+    p.add_argument(
+        "--out",
+        default="deploy/compose/.secrets",
+        help="compose-secrets: where to write the secured Compose variant's CA, certificates, "
+        "passwords and per-service configs (default deploy/compose/.secrets; docs/security.md)",
+    )
+    p.add_argument(
+        "--password-dir",
+        default=None,
+        help="users: the directory of `<role>.password` files; creates (or updates) the SCRAM user "
+        "of each --config principal that has one",
     )
     p.add_argument("--quiet", action="store_true")
 
@@ -50,6 +63,10 @@ def add_kafka_arguments(p: argparse.ArgumentParser) -> None:
 def main_kafka(args: argparse.Namespace) -> int:
     from stream_rl.kafka.cluster import LocalCluster, cluster_layout
 
+    if args.action == "compose-secrets":
+        return _compose_secrets(args)
+    if args.action == "users":
+        return _users(args)
     if args.secure or args.run or args.config:
         if args.action != "up":
             raise StreamRLError("--secure/--run/--config: only for `kafka up`")
@@ -142,6 +159,50 @@ def _up_secure(args: argparse.Namespace) -> int:
     print(f"kafka config (mutual TLS): {enrolled.mtls_yaml}")
     if enrolled.run_yaml is not None:
         print(f"run config: {enrolled.run_yaml}")
+    return 0
+
+
+def _compose_secrets(args: argparse.Namespace) -> int:
+    """`kafka compose-secrets`: the secured Compose variant's material (stream_rl/kafka/compose_secrets.py)."""
+    from pathlib import Path
+
+    from stream_rl.kafka.compose_secrets import write_compose_secrets
+
+    config = Path(args.config or "configs/demo-docker.yaml")
+    if not config.is_file():
+        raise StreamRLError(f"--config {config}: no such file")
+    made = write_compose_secrets(config, Path(args.out), host_port=args.port)
+    print(
+        f"compose secrets in {made.out}: {len(made.created)} files made ({', '.join(made.created) or 'none'})"
+    )
+    return 0
+
+
+def _users(args: argparse.Namespace) -> int:
+    """`kafka users --config C --password-dir D`: the SCRAM users of C's principals, as its operator."""
+    from pathlib import Path
+
+    from stream_rl.kafka.confluent import KafkaTransport
+    from stream_rl.kafka.secure import OPERATOR, upsert_scram_users
+
+    if not args.config or not args.password_dir:
+        raise StreamRLError("kafka users: needs --config (its principals) and --password-dir")
+    cfg = load_config(args.config)
+    passwords: dict[str, str] = {}
+    for role, principal in cfg.kafka.principals.model_dump().items():
+        file = Path(args.password_dir) / f"{role}.password"
+        if role == OPERATOR or principal is None or not file.is_file():
+            continue
+        kind, _, name = principal.partition(":")
+        if kind != "User":
+            raise StreamRLError(f"kafka.principals.{role}: {principal} is no SCRAM user (User:NAME)")
+        passwords[name] = file.read_text().strip()
+    if not passwords:
+        raise StreamRLError(
+            f"kafka users: no principal of {args.config} has a password file in {args.password_dir}"
+        )
+    upsert_scram_users(KafkaTransport.for_run(cfg.kafka).admin, passwords)
+    print(f"SCRAM users created or updated: {', '.join(sorted(passwords))}")
     return 0
 
 

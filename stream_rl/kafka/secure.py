@@ -327,9 +327,9 @@ def kafka_section(listeners: SecureListeners, run: str, prefix: str, *, mtls: bo
     }
 
 
-def enroll(listeners: SecureListeners, run: str, prefix: str, base_config: Path | None = None) -> Enrollment:
-    """Users, certificates, ACLs and config files of run `run` (idempotent: existing passwords and
-    certificates are kept, missing ACLs created). Connects as the operator."""
+def upsert_scram_users(admin: Any, passwords: dict[str, str]) -> None:
+    """Create (or set the password of) each SCRAM-SHA-512 user, user -> password, through the Admin
+    API (`admin`: confluent-kafka's AdminClient, connected as a super user)."""
     from confluent_kafka.admin import (
         ScramCredentialInfo,
         ScramMechanism,
@@ -337,6 +337,20 @@ def enroll(listeners: SecureListeners, run: str, prefix: str, base_config: Path 
         UserScramCredentialUpsertion,
     )
 
+    info = ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, SCRAM_ITERATIONS)
+    upserts: list[UserScramCredentialAlteration] = [
+        UserScramCredentialUpsertion(user, info, password.encode()) for user, password in passwords.items()
+    ]
+    for user, fut in admin.alter_user_scram_credentials(upserts).items():
+        try:
+            fut.result(timeout=30)
+        except Exception as exc:  # noqa: BLE001 - librdkafka's KafkaException, one line
+            raise BrokerError(f"creating the SCRAM user {user} failed: {exc}") from exc
+
+
+def enroll(listeners: SecureListeners, run: str, prefix: str, base_config: Path | None = None) -> Enrollment:
+    """Users, certificates, ACLs and config files of run `run` (idempotent: existing passwords and
+    certificates are kept, missing ACLs created). Connects as the operator."""
     from stream_rl.config import KafkaConfig
     from stream_rl.kafka.acl_admin import KafkaAcls, apply_acls
     from stream_rl.kafka.acls import plan_acls
@@ -348,18 +362,13 @@ def enroll(listeners: SecureListeners, run: str, prefix: str, base_config: Path 
     section = kafka_section(listeners, run, prefix)
     # As the operator (a super user), with the section written into the run's config.
     admin = KafkaTransport.for_run(KafkaConfig.model_validate(section)).admin
-    info = ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, SCRAM_ITERATIONS)
-    upserts: list[UserScramCredentialAlteration] = []
+    passwords: dict[str, str] = {}
     for role in ENROLLED:
         pw_file = run_dir / f"{role}.password"
         if not pw_file.exists():
             write_secret(pw_file, secrets.token_urlsafe(24))
-        upserts.append(UserScramCredentialUpsertion(user_name(run, role), info, pw_file.read_text().encode()))
-    for user, fut in admin.alter_user_scram_credentials(upserts).items():
-        try:
-            fut.result(timeout=30)
-        except Exception as exc:  # noqa: BLE001 - librdkafka's KafkaException, one line
-            raise BrokerError(f"creating the SCRAM user {user} failed: {exc}") from exc
+        passwords[user_name(run, role)] = pw_file.read_text()
+    upsert_scram_users(admin, passwords)
     names = TopicNames(run=run, prefix=prefix)
     planned = plan_acls(names, section["principals"])
     report = apply_acls(KafkaAcls(admin, listeners.bootstrap), planned, names)

@@ -1,7 +1,8 @@
 """Helpers of the compose test: the test's own Docker engine (deploy/docker/engine.sh with a run
-dir of its own), `docker compose` on the project with the test's override file, the host's network
-state (to prove the engine leaves none behind) and readers of the run's topics from the host
-through Kafka's published port."""
+dir of its own), `docker compose` on the project with the secured overlay (deploy/compose/secure.yml,
+its material written by `stream-rl kafka compose-secrets` into a directory of the test's) and the
+test's override file, the host's network state (to prove the engine leaves none behind) and readers
+of the run's topics from the host through Kafka's published port, as the operator."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from stream_rl.config import KafkaConfig, load_config
 from stream_rl.contracts import Rollout, ScoredRollout, TrainingBatch
 from stream_rl.kafka.broker import free_port
+from stream_rl.kafka.compose_secrets import write_compose_secrets
 from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.lag import partition_lags
 from stream_rl.kafka.reader import read_to_end
@@ -99,7 +102,7 @@ class Engine:
 class Compose:
     """`docker compose` on the project, with the test's override file and variables."""
 
-    def __init__(self, env: dict[str, str], bases: dict[str, str], steps: int) -> None:
+    def __init__(self, env: dict[str, str], bases: dict[str, str], steps: int, secrets: Path) -> None:
         self.timings: dict[str, float] = {}
         self.taken_down = False
         self.kafka_port = free_port()
@@ -112,7 +115,13 @@ class Compose:
             "STREAM_RL_TEST_SUBNET": SUBNET,
             "STREAM_RL_TEST_MODELS_VOLUME": models_volume(),
             "STREAM_RL_TEST_STEPS": str(steps),
+            "STREAM_RL_COMPOSE_SECRETS": str(secrets),
         }
+        self.secrets = write_compose_secrets(
+            REPO / "configs" / "demo-docker.yaml", secrets, host_port=self.kafka_port
+        ).out
+        self.kafka: KafkaConfig = load_config(self.secrets / "host.yaml").kafka
+        """The operator's, for the host's tools (localhost:kafka_port, the CA and password files)."""
 
     @property
     def bootstrap(self) -> str:
@@ -126,6 +135,8 @@ class Compose:
             PROJECT,
             "-f",
             "docker-compose.yml",
+            "-f",
+            "deploy/compose/secure.yml",
             "-f",
             "tests/docker/compose.test.yml",
         ]
@@ -157,10 +168,10 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float, every: fl
 
 
 class Topics:
-    """The run's topics, read from the host (a consumer outside any group)."""
+    """The run's topics, read from the host (a consumer outside any group), as `kafka`'s operator."""
 
-    def __init__(self, bootstrap: str, run: str) -> None:
-        self.kafka = KafkaTransport(bootstrap)
+    def __init__(self, kafka: KafkaConfig, run: str) -> None:
+        self.kafka = KafkaTransport.for_config(kafka, kafka.bootstrap or "")
         self.names = TopicNames(run=run)
         self.serde = default_serde()
 

@@ -1,13 +1,20 @@
 """`docker compose up` for real (marker `docker`): the test's own Docker engine
 (deploy/docker/engine.sh: own data root in the cache, exec root, socket and pidfile, no iptables
 rules), the images built from the Debian base deploy/docker/base.sh makes, the compose project of
-docker-compose.yml (plus tests/docker/compose.test.yml: an explicit subnet, the cached model
-volume) brought up, and the CPU demo's run read from the host through Kafka's published port:
+docker-compose.yml with the secured overlay deploy/compose/secure.yml (SASL_SSL SCRAM-SHA-512 only,
+the StandardAuthorizer, each stage on its own principal; `stream-rl kafka compose-secrets` writes its
+material into a directory of the test's) plus tests/docker/compose.test.yml (an explicit subnet, the
+cached model volume) brought up, and the CPU demo's run read from the host through Kafka's published
+port, as the operator:
 
 - the reward of what was sampled rises from <= 0.4 (first 3 versions) to >= 0.7 (last 3);
 - `up -d --scale actor=3 --scale verifier=2` mid-run: every replica takes part and, once the run
   has drained, every scored sample is in `training-batches` exactly once (none lost, none twice);
-- `docker compose run --rm trainer status --run demo-docker --once` shows the live run;
+- `docker compose run --rm lag-exporter status --config /etc/stream-rl/run.yaml --once` (the
+  operator's container) shows the live run;
+- each stage container holds only its own secret (its password and the CA under /run/secrets, its
+  own config), and the actor's principal is refused WRITE on `training-batches` by the broker;
+- the plaintext docker-compose.yml alone still validates (`docker compose config`, offline);
 - Prometheus (Debian's, in its own image) scrapes every stage and the server;
 - `down` then `up` keeps the topics and their records;
 - after `down` and the engine's stop, the host's firewall rules, interfaces and forwarding are
@@ -43,6 +50,9 @@ from compose_stack import (
 
 from stream_rl.config import load_config
 from stream_rl.contracts import PartitionOffset, ScoredRollout, TrainingBatch
+from stream_rl.errors import KafkaError
+from stream_rl.kafka.compose_secrets import GRANTS, STAGE_ROLES
+from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.reader import read_to_end
 from stream_rl.kafka.topics import RAW_ROLLOUTS, SCORED, TRAINING_BATCHES
 from stream_rl.train.lineage import read_weight_versions
@@ -76,6 +86,13 @@ class DemoRun:
     stages: list[dict[str, str]] = field(default_factory=list)
     status: str = ""
     prometheus_up: dict[str, int] = field(default_factory=dict)
+    secrets: dict[str, tuple[str, set[str], set[str] | None]] = field(default_factory=dict)
+    """Per container: its service, the files mounted under /run/secrets (docker inspect) and, for a
+    running one, what `ls /run/secrets` shows inside it."""
+    configs: dict[str, str] = field(default_factory=dict)
+    """Per stage container: the host file mounted at /etc/stream-rl/run.yaml."""
+    refused: str = ""
+    """The broker's answer to the actor's principal writing `training-batches`."""
 
 
 @pytest.fixture(scope="module")
@@ -89,13 +106,13 @@ def engine() -> Iterator[Engine]:
 
 
 @pytest.fixture(scope="module")
-def stack(engine: Engine) -> Iterator[Compose]:
+def stack(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compose]:
     start = time.monotonic()
     bases = dict(
         line.split("=", 1) for line in sh([str(DEPLOY / "base.sh")], engine.env, timeout=1800).split()
     )
-    compose = Compose(engine.env, bases, STEPS)
-    compose.timings["base.sh"] = time.monotonic() - start
+    compose = Compose(engine.env, bases, STEPS, tmp_path_factory.mktemp("compose-secrets"))
+    compose.timings["base.sh and compose-secrets"] = time.monotonic() - start
     compose.docker("volume", "create", models_volume())
     compose("down", "-v", "--remove-orphans", check=False)  # an interrupted run's containers and topics
     try:
@@ -184,7 +201,7 @@ def _prometheus_up(stack: Compose) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def demo(stack: Compose, engine: Engine) -> DemoRun:
     out = DemoRun(timings=stack.timings)
-    topics = Topics(stack.bootstrap, RUN)
+    topics = Topics(stack.kafka, RUN)
     try:
         return _run_the_demo(stack, engine, topics, out)
     finally:
@@ -206,8 +223,11 @@ def _run_the_demo(stack: Compose, engine: Engine, topics: Topics, out: DemoRun) 
         120,
     )
     started = time.monotonic()
-    out.status = stack("run", "--rm", "trainer", "status", "--run", RUN, "--once", timeout=120)
-    out.timings["compose run trainer status"] = time.monotonic() - started
+    out.status = stack(
+        "run", "--rm", "lag-exporter", "status", "--config", "/etc/stream-rl/run.yaml", "--once", timeout=120
+    )
+    out.timings["compose run lag-exporter status"] = time.monotonic() - started
+    _record_secrets(stack, out)  # every stage container there, the trainer still running
     # Every role (each replica) scraped: a busy stage can miss one 5 s scrape (seen: the trainer,
     # under a machine loaded ~7 times over), and the trainer may be done by now (_prometheus_up).
     seen: dict[str, int] = {}
@@ -258,7 +278,46 @@ def _run_the_demo(stack: Compose, engine: Engine, topics: Topics, out: DemoRun) 
     out.batches = topics.batches()
     final = read_weight_versions(topics.kafka, topics.names)[-1]
     out.trained_ids = _trained_ids(topics, final.consumed_offsets)
+    out.refused = _actor_writes_training_batches(stack)
     return out
+
+
+def _record_secrets(stack: Compose, out: DemoRun) -> None:
+    for service in (*GRANTS, "server", "prometheus"):
+        for c in stack.containers(service):
+            mounts = json.loads(stack.docker("inspect", "--format", "{{json .Mounts}}", c["name"]))
+            files = {m["Destination"].removeprefix("/run/secrets/") for m in mounts}
+            inside = None
+            if c["state"] == "running" and service in GRANTS:
+                inside = set(stack.docker("exec", c["name"], "ls", "-A", "/run/secrets").split())
+            out.secrets[c["name"]] = (service, {f for f in files if "/" not in f}, inside)
+            config = [m["Source"] for m in mounts if m["Destination"] == "/etc/stream-rl/run.yaml"]
+            if config:
+                out.configs[c["name"]] = config[0]
+
+
+def _actor_writes_training_batches(stack: Compose) -> str:
+    """The actor's own credentials (its principal, its password file) producing to `training-batches`
+    from the host: the broker's refusal, as the client reports it (the operator's config with the
+    actor's entry in place of the operator's)."""
+    actor = stack.kafka.model_validate(
+        {
+            **stack.kafka.model_dump(),
+            "credentials": {
+                "actor": {
+                    "client_properties": {"sasl.username": f"{RUN}-actor"},
+                    "secret_properties": {"sasl.password": f"file:{stack.secrets / 'actor.password'}"},
+                }
+            },
+        }
+    ).for_role("actor")
+    producer = KafkaTransport.for_config(actor, actor.bootstrap or "", outage_s=10).producer("break-in")
+    producer.produce(Topics(stack.kafka, RUN).names[TRAINING_BATCHES], b"steer the gradients", key="k")
+    try:
+        producer.flush(timeout=30)
+    except KafkaError as exc:
+        return str(exc)
+    return "written: the broker took the actor's write"
 
 
 def _trained_ids(topics: Topics, consumed: list[PartitionOffset]) -> list[str]:
@@ -314,6 +373,47 @@ def test_scaled_stages_rebalance_and_every_sample_is_trained_exactly_once(demo: 
     )
 
 
+def test_each_stage_container_holds_only_its_own_secret(stack: Compose, demo: DemoRun) -> None:
+    services = Counter(service for service, _files, _inside in demo.secrets.values())
+    assert services["actor"] == 3 and services["verifier"] == 2 and services["kafka"] == 1, services
+    for name, (service, files, inside) in demo.secrets.items():
+        granted = set(GRANTS.get(service, ()))
+        assert files == granted, f"{name}: /run/secrets holds {sorted(files)}, granted {sorted(granted)}"
+        if inside is not None:
+            assert inside == granted, f"{name}: ls /run/secrets shows {sorted(inside)}"
+        if service in STAGE_ROLES:
+            config = demo.configs[name]
+            assert config.endswith(f"/{service}.yaml"), (name, config)
+            text = (stack.secrets / f"{service}.yaml").read_text()
+            others = [r for r in STAGE_ROLES if r != service]
+            assert f"{RUN}-{service}" in text
+            assert not [r for r in others if f"{RUN}-{r}" in text or f"{r}.password" in text], service
+    for role in (*STAGE_ROLES, "operator"):  # by reference only: no password in any config
+        password = (stack.secrets / f"{role}.password").read_text()
+        assert not [p for p in stack.secrets.glob("*.yaml") if password in p.read_text()]
+
+
+def test_the_broker_refuses_the_actor_writing_training_batches(demo: DemoRun) -> None:
+    assert (
+        f"Kafka refused User:{RUN}-actor WRITE on topic stream-rl.{RUN}.{TRAINING_BATCHES} "
+        "(TOPIC_AUTHORIZATION_FAILED)" in demo.refused
+    ), demo.refused
+    assert "\n" not in demo.refused
+
+
+def test_the_plaintext_compose_file_still_validates(stack: Compose) -> None:
+    """The default docker-compose.yml alone (no overlay) is a valid project, and the overlay leaves
+    the broker no PLAINTEXT listener (`docker compose config`: offline, no engine call)."""
+    plain = ["docker", "compose", "-p", "plain", "-f", "docker-compose.yml", "config", "--format", "json"]
+    env = {k: v for k, v in stack.env.items() if k != "STREAM_RL_COMPOSE_SECRETS"}
+    kafka = json.loads(sh(plain, env))["services"]["kafka"]["environment"]
+    assert "PLAINTEXT" in kafka["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"]
+    secured = [*plain[:6], "-f", "deploy/compose/secure.yml", *plain[6:]]
+    kafka = json.loads(sh(secured, stack.env))["services"]["kafka"]["environment"]
+    assert "PLAINTEXT" not in kafka["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"] + kafka["KAFKA_LISTENERS"]
+    assert kafka["KAFKA_SUPER_USERS"] == "User:broker;User:operator"
+
+
 def test_status_shows_the_live_picture(demo: DemoRun) -> None:
     assert f"run {RUN}" in demo.status
     assert "trainer: version" in demo.status and "reward" in demo.status
@@ -328,7 +428,7 @@ def test_prometheus_scrapes_every_stage(demo: DemoRun) -> None:
 
 
 def test_down_then_up_keeps_the_topics(stack: Compose, demo: DemoRun) -> None:
-    topics = Topics(stack.bootstrap, RUN)
+    topics = Topics(stack.kafka, RUN)
     try:
         before = {t: topics.end_offsets(t) for t in (RAW_ROLLOUTS, SCORED)}
         stack("down", "--timeout", "30")
