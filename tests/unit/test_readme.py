@@ -37,11 +37,26 @@ TEXT = "\n".join(DOCS.values())
 PATH_RE = re.compile(
     r"`((?:\.{0,2}/)?[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.*<>-]*)+|[A-Za-z0-9_-]+\.(?:py|yaml|yml|md|toml|json|avsc|xml|png))`"
 )
-GENERATED = ("runs/", ".kafka", "models/", "bench/results/", "~/", "/", "<")
+GENERATED = (
+    "runs/",
+    ".kafka",
+    "models/",
+    "bench/results/",
+    "site/",
+    ".venv",  # make setup and make vllm link .venv and .venv-vllm to the cached environments
+    "deploy/compose/.secrets",
+    "~/",
+    "/",
+    "<",
+)
 # Files the project writes, named bare in the docs: a run's summary and overview plot, a model folder's
 # configs, a LoRA checkpoint's model/ folder and peft's adapter config, the wheel folder
-# bench/gpu_wheels.sh fills.
+# bench/gpu_wheels.sh fills, and what `stream-rl kafka compose-secrets` writes (its CA folder, the
+# operator's config and the host tools' config).
 WRITTEN = {
+    "pki/",
+    "operator.yaml",
+    "host.yaml",
     "summary.json",
     "config.json",
     "generation_config.json",
