@@ -137,16 +137,32 @@ class Sampler(threading.Thread):
                         self.samples.setdefault(name, []).append((time.time(), got[1] / 2**20, pid))
 
 
-def slopes(samples: dict[str, list[tuple[float, float, int]]], skip_s: float) -> dict[str, dict[str, Any]]:
-    """Per process, the RSS slope (MiB/min) of its longest-lived pid after `skip_s` of warm-up."""
+def slopes(
+    samples: dict[str, list[tuple[float, float, int]]],
+    skip_s: float,
+    end: float = float("inf"),
+    floor_s: float = 180,
+) -> dict[str, dict[str, Any]]:
+    """Per process, the RSS slope (MiB/min) of its longest-lived pid after `skip_s` of warm-up and
+    before `end` (the stop), that of the last half alone, and the floor's: the slope of the least
+    RSS of each `floor_s` window. Every stage hands freed C heap back each minute
+    (`stream_rl.common.heap`), so a process that allocates in bursts draws a saw whose fitted
+    slope is noise; the floor is what it keeps."""
     out = {}
     for name, pts in samples.items():
         by_pid = Counter(p for _t, _r, p in pts)
         pid = by_pid.most_common(1)[0][0]
-        mine = [(t, r) for t, r, p in pts if p == pid]
-        start = mine[0][0] + skip_s
+        mine = [(t, r) for t, r, p in pts if p == pid and t <= end]
+        start = mine[0][0] + skip_s if mine else 0.0
         window = [((t - start) / 60, r) for t, r in mine if t >= start]
         slope, err = fit(window)
+        half = [(m, r) for m, r in window if window and m >= window[-1][0] / 2]
+        floors: dict[int, tuple[float, float]] = {}
+        for m, r in window:
+            k = int(m * 60 // floor_s)
+            if k not in floors or r < floors[k][1]:
+                floors[k] = (m, r)
+        floor, floor_err = fit(sorted(floors.values()))
         out[name] = {
             "pid": pid,
             "restarts": len(by_pid) - 1,
@@ -155,25 +171,31 @@ def slopes(samples: dict[str, list[tuple[float, float, int]]], skip_s: float) ->
             "rss_end_mib": round(window[-1][1], 1) if window else None,
             "slope_mib_per_min": round(slope, 4),
             "stderr": round(err, 4),
+            "last_half_slope": round(fit(half)[0], 4),
+            "floor_slope": round(floor, 4),
+            "floor_stderr": round(floor_err, 4),
         }
     return out
 
 
 def make_plan(
     rng: random.Random, seconds: float, cluster: LocalCluster, fw: Firewall, stage_pid: Any, node_pid: Any,
-    switch: Path, disk: DiskFull, scale: float = 1.0,
+    switch: Path, disk: DiskFull, scale: float = 1.0, only: list[str] | None = None,
 ) -> list[Step]:  # fmt: skip
-    """Faults at random until `seconds` of them and the gaps between (30-90 s) are planned."""
+    """Faults at random until `seconds` of them and the gaps between (30-90 s) are planned; `only`:
+    of these kinds alone (and without the opening 70-s server pause)."""
     plan: list[Step] = []
     total = 0.0
     ports = cluster.layout.ports
-    kinds = list(KINDS)
+    pool = [k for k in KINDS if k in only] if only else KINDS
+    kinds = list(pool)
     rng.shuffle(kinds)  # every kind once first, then at random
     # First the issue's case: the server paused 70 s, past the trainer's 60 s update deadline (it
     # once left the run waiting for good: dropped, set aside as stale, then down while stale).
-    kinds.append("server-pause-70")
+    if not only:
+        kinds.append("server-pause-70")
     while total < seconds:
-        kind = kinds.pop() if kinds else rng.choice(KINDS)
+        kind = kinds.pop() if kinds else rng.choice(pool)
         node = rng.randrange(len(ports))
         fault: Fault
         if kind == "server-pause-70":
@@ -293,6 +315,14 @@ def counts(data: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _value(text: str) -> Any:
+    """A --set value: JSON where it parses (numbers, true, lists), else the string itself (`off`)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=60)
@@ -303,7 +333,26 @@ def main() -> int:
         "--scale", type=float, default=1.0, help="faults and gaps this times as long (smoke: 0.25)"
     )
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, data)")
+    ap.add_argument(
+        "--kinds",
+        default="",
+        help=f"comma-separated fault kinds to draw from alone (of {sorted(set(KINDS))})",
+    )
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="a run-config override, dotted (e.g. launcher.fork_stages=off); repeatable",
+    )  # fmt: skip
+    ap.add_argument(
+        "--env", action="append", default=[], metavar="KEY=VALUE", help="in the run's environment; repeatable"
+    )
     args = ap.parse_args()
+    overrides = [kv.split("=", 1) for kv in args.set]
+    extra_env = dict(kv.split("=", 1) for kv in args.env)
+    if any(len(kv) != 2 for kv in overrides) or any("=" not in kv for kv in args.env):
+        ap.error("--set and --env take KEY=VALUE")
+    only = [k for k in args.kinds.split(",") if k]
+    if unknown := sorted(set(only) - set(KINDS)):
+        ap.error(f"unknown fault kinds {unknown}: choose from {sorted(set(KINDS))}")
     require_tools("iptables")
     from stream_rl.inference.model_maker import make_model
 
@@ -316,18 +365,25 @@ def main() -> int:
     fw = Firewall(f"SRLNEM{os.getpid()}")
     switch = tmp / "server-faults"
     run_dir = tmp / "runs" / "nemesis"
-    result: dict[str, Any] = {"seed": args.seed, "minutes": args.minutes}
+    result: dict[str, Any] = {"seed": args.seed, "minutes": args.minutes, "kinds": only or sorted(set(KINDS))}
     proc: subprocess.Popen[bytes] | None = None
     with tmpfs(tmp / "kafka" / "node-0", size_mb=128) as node0:
         try:
             bootstrap = cluster.up(quiet=True)
             cfg = run_config(tmp, bootstrap, model, args.minutes)
+            for key, value in overrides:
+                *path, last = key.split(".")
+                node = cfg
+                for part in path:
+                    node = node.setdefault(part, {})
+                node[last] = _value(value)
+            result["set"], result["env"] = dict(overrides), extra_env
             (tmp / "run.yaml").write_text(yaml.safe_dump(cfg))
             log = open(tmp / "launcher.log", "w")  # noqa: SIM115 - the child holds it
             proc = subprocess.Popen(
                 [sys.executable, "-m", "stream_rl.cli", "run", str(tmp / "run.yaml")],
                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", "STREAM_RL_SERVER_FAULTS": str(switch)},
+                env={**os.environ, **extra_env, "PYTHONUNBUFFERED": "1", "STREAM_RL_SERVER_FAULTS": str(switch)},
             )  # fmt: skip
 
             def stage_pid(name: str) -> int:
@@ -357,7 +413,7 @@ def main() -> int:
                 "node 1 disk full", node0, lambda: cluster.node(0).running() is not None, restart_node0
             )
             plan = make_plan(
-                rng, args.minutes * 60, cluster, fw, stage_pid, node_pid, switch, disk, args.scale
+                rng, args.minutes * 60, cluster, fw, stage_pid, node_pid, switch, disk, args.scale, only
             )
             events = Events(tmp / "events.jsonl")
             watch = VersionWatch(bootstrap, "nemesis", Decoder())
@@ -406,7 +462,9 @@ def main() -> int:
                     "lag_by_version": {str(k): v for k, v in trained_at.items()},
                     "counts": counts(data),
                     "memory": sampler.samples,
-                    "slopes": slopes(sampler.samples, skip_s=min(300, args.minutes * 60 / 4)),
+                    "slopes": slopes(
+                        sampler.samples, skip_s=min(300, args.minutes * 60 / 4), end=t0 + args.minutes * 60
+                    ),
                     "tmp": str(tmp),
                 }
             )
@@ -419,6 +477,9 @@ def main() -> int:
     plot(result, out / f"{args.name}.png")
     print(json.dumps({k: result[k] for k in ("rc", "recoveries", "counts", "slopes")}, default=str, indent=1))
     print(f"wrote {out / args.name}.json and .png; logs in {tmp}")
+    if result.get("rc") not in (0, None) and not result.get("counts", {}).get("versions"):
+        print(f"the run failed (rc {result['rc']}): {tmp / 'launcher.log'}", file=sys.stderr)
+        return 1
     if not args.keep:
         subprocess.run(["rm", "-rf", str(tmp)])
     return 0
