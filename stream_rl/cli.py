@@ -17,7 +17,7 @@ from stream_rl.errors import StreamRLError
 
 # (name, module, help). Modules provide add_arguments(parser) and main(args).
 COMMANDS: list[tuple[str, str, str]] = [
-    ("kafka", "stream_rl.kafka.commands", "local Kafka broker: fetch, up, down, status; compose-secrets, users"),
+    ("kafka", "stream_rl.kafka.commands", "local Kafka: fetch, up, down, status, compose-secrets, users"),
     ("topics", "stream_rl.kafka.commands", "create (apply) or list a run's topics"),
     ("lag", "stream_rl.kafka.commands", "consumer lag of a run's groups"),
     ("acls", "stream_rl.kafka.acl_admin", "the ACLs of a run's principals: plan (print) or apply"),
