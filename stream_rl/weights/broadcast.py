@@ -111,8 +111,9 @@ def await_work(
     try:
         item.work.wait()
     except RuntimeError as exc:  # gloo reports a peer's failure or timeout this way
-        if "timeout" in str(exc).lower():
-            # gloo's own timer (the group's timeout) can fire just before ours: same cause.
+        if any(word in str(exc).lower() for word in ("timeout", "timed out")):
+            # gloo's own timer (the group's timeout) can fire just before ours: same cause. gloo
+            # says "Timed out waiting 2992ms for send operation to complete" for a send.
             raise WeightSyncError(
                 f"broadcast not received within the deadline ({group.timeout_s:.1f} s): {exc}"
             ) from exc

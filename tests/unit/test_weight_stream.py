@@ -15,7 +15,7 @@ import torch
 
 from stream_rl.errors import WeightSyncError
 from stream_rl.weights import TensorMeta, WeightReceiver, plan_buckets, weights_checksum
-from stream_rl.weights.broadcast import send_buckets
+from stream_rl.weights.broadcast import await_work, send_buckets
 from stream_rl.weights.group import SyncGroup, host_store
 
 pytestmark = pytest.mark.unit
@@ -136,3 +136,50 @@ def test_sender_gives_up_at_the_deadline_when_nobody_receives(pair: tuple[SyncGr
     with pytest.raises(WeightSyncError, match="deadline|failed"):
         send_buckets(sender, plan_buckets(metas, 64), [t for _, t in named], deadline=start + 0.5)
     assert time.monotonic() - start < 3.0
+
+
+class _FailedWork:
+    """A finished collective whose wait raises what gloo raised (no group needed)."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def done(self) -> bool:
+        return True
+
+    @property
+    def work(self) -> _FailedWork:
+        return self
+
+    def wait(self) -> None:
+        raise RuntimeError(self.message)
+
+
+class _Group:
+    timeout_s = 3.0
+
+
+@pytest.mark.parametrize(
+    ("gloo_says", "reason"),
+    [
+        (
+            "[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 2992ms for send operation to complete",
+            "within",
+        ),
+        ("[gloo/transport/tcp/pair.cc:600] Timeout waiting for recv", "within"),
+        ("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:11419", "broadcast failed"),
+    ],
+)
+def test_gloos_own_timeout_is_named_as_the_deadline(gloo_says: str, reason: str) -> None:
+    """gloo's timer carries the push's deadline too and can fire just before ours; either wording
+    of its timeout is the deadline (a loaded CI run dropped a stalled server with "broadcast
+    failed: ... Timed out waiting 2992ms", which did not say the deadline), a closed peer is not."""
+    with pytest.raises(WeightSyncError) as caught:
+        await_work(
+            _FailedWork(gloo_says),  # type: ignore[arg-type]
+            _Group(),  # type: ignore[arg-type]
+            deadline=time.monotonic() + 5,
+            abort=lambda: None,
+            wake=threading.Event(),
+        )
+    assert reason in str(caught.value) and gloo_says in str(caught.value)
