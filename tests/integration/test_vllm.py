@@ -530,3 +530,53 @@ def test_a_vllm_server_joins_a_run_as_the_servers_protocol_says(
     finally:
         sender.close()
     assert load("vllm", server.url) == 0  # vllm:num_requests_running + vllm:num_requests_waiting, idle
+
+
+def test_a_lora_trainers_version_reaches_vllm_as_its_merged_weights(
+    server: Any, sender: VLLMWeightSender, tmp_path: Path
+) -> None:
+    """docs/lora.md, "vLLM": a LoRA run pushes a vLLM server the merged full weights through the
+    usual update (vLLM's own runtime adapters are loaded from a directory and bypass the version
+    spans). A trainer with `trainer.lora` whose adapters moved (B random, as bench/lora_push.py
+    sets them): its version is served, and the server decodes greedily with the merged weights,
+    whose greedy continuation differs from the base model's (checked first, so the test can fail)."""
+    from transformers import AutoModelForCausalLM
+
+    from stream_rl.config import RunConfig
+    from stream_rl.train.backends import build_trainer
+    from stream_rl.weights.lora import adapters_of
+
+    cfg = RunConfig.model_validate(
+        {
+            "model": {"path": str(server.model)},
+            "runs_dir": str(tmp_path),
+            "trainer": {"lora": {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}},
+        }
+    )
+    trainer = build_trainer(cfg)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    prompt = [4, 57, 61, 49, 58, 59, 67, 1, 5]
+    base = AutoModelForCausalLM.from_pretrained(server.model, dtype=torch.float32).eval()
+    merged = AutoModelForCausalLM.from_pretrained(server.model, dtype=torch.float32).eval()
+    version = next_version()
+    with trainer.full_weights() as named:
+        assert adapters_of(named) is not None  # a LoRA version: the built-in engine would get adapters
+        missing, unexpected = merged.load_state_dict(dict(named), strict=False)
+        assert unexpected == [] and all("lm_head" in m for m in missing), (missing, unexpected)
+        report = sender.push(version, named, 1 << 16)
+    assert report.failed == {} and report.updated == [server.url], report
+    with torch.no_grad():
+        greedy = {
+            which: m.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[
+                0, len(prompt) :
+            ].tolist()
+            for which, m in (("base", base), ("merged", merged))
+        }
+    assert greedy["base"] != greedy["merged"], "the adapters do not change the greedy choice: no test"
+    tokens, versions, finish = run(_stream(server.url, _render(server.url, prompt, 24), []))
+    assert finish == "length" and versions == [{"version": str(version), "start": 0, "end": 24}], versions
+    assert_greedy(merged, prompt, tokens)
