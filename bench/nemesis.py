@@ -152,7 +152,8 @@ def slopes(
     for name, pts in samples.items():
         by_pid = Counter(p for _t, _r, p in pts)
         pid = by_pid.most_common(1)[0][0]
-        mine = [(t, r) for t, r, p in pts if p == pid and t <= end]
+        # RSS 0: the pid was a zombie or exiting (a stage restarting), not a reading of it.
+        mine = [(t, r) for t, r, p in pts if p == pid and t <= end and r > 0]
         start = mine[0][0] + skip_s if mine else 0.0
         window = [((t - start) / 60, r) for t, r in mine if t >= start]
         slope, err = fit(window)
