@@ -399,6 +399,34 @@ def test_a_transaction_call_that_never_returns_wedges_the_producer_instead_of_ha
         producer.abort_transaction()  # no conflicting second call: the stage exits and restarts
 
 
+def test_closing_a_fenced_producer_does_not_raise_over_the_stages_error(caplog) -> None:  # type: ignore[no-untyped-def]
+    """The hour under bench/nemesis.py: the preprocessor's producer was fenced during an abort (one
+    line logged), then the stage's `finally` closed it and flush raised the fatal KafkaException:
+    a traceback instead of the stage's error. Closing now logs a fatal error; others still raise."""
+    import confluent_kafka as ck
+
+    from stream_rl.kafka import confluent
+
+    class Flush:
+        def __init__(self, err: ck.KafkaError) -> None:
+            self.err = err
+
+        def flush(self, timeout: float) -> int:
+            raise ck.KafkaException(self.err)
+
+    producer = confluent.KafkaProducer("127.0.0.1:1", "fence-test", transactional_id="tx-fence")
+    fenced = ck.KafkaError(
+        ck.KafkaError._FENCED, "Failed to end transaction: fenced by a newer instance", fatal=True
+    )
+    producer._p = Flush(fenced)  # type: ignore[assignment]
+    with caplog.at_level("WARNING", logger="stream_rl.kafka"):
+        producer.close()
+    assert "closed after a fatal error" in caplog.text and "fenced by a newer instance" in caplog.text
+    producer._p = Flush(ck.KafkaError(ck.KafkaError._TIMED_OUT, "timed out"))  # type: ignore[assignment]
+    with pytest.raises(ck.KafkaException):
+        producer.close()
+
+
 def test_free_ports_lie_below_the_ephemeral_range_and_are_free() -> None:
     # An outgoing connection's local port comes from the ephemeral range; a listening port picked
     # there could be taken between the pick and the bind (a server's `cannot bind`, seen in CI).
