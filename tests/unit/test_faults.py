@@ -472,3 +472,22 @@ def test_a_flush_stuck_while_the_broker_answers_wedges_but_an_outage_is_waited_o
     assert not run_until(60 + STUCK_S - 6, 16)
     assert not run_until(60 + STUCK_S + 10, 15)  # one record acknowledged: the clock starts over
     assert run_until(60 + 2 * STUCK_S + 20, 15)  # then nothing moved for STUCK_S, the broker answering
+
+
+def test_children_get_glibcs_arena_cap_but_not_vllms_servers(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """MALLOC_ARENA_MAX=2 for the stages, the fork server and built-in servers (memory freed in a
+    thread's own arena otherwise stayed: bench/rejoin_memory.py, docs/faults.md); a vLLM server is
+    left to its own allocator; the launcher's own setting wins everywhere."""
+    from stream_rl.config import RunConfig
+    from stream_rl.run.children import FORK_SERVER, child_env
+
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    builtin = RunConfig.model_validate({})
+    vllm = RunConfig.model_validate({"inference": {"engine": "vllm"}})
+    for role in ("actor", "trainer", "preprocessor", FORK_SERVER, "server"):
+        assert child_env(builtin, role=role)["MALLOC_ARENA_MAX"] == "2", role
+    assert child_env(vllm, role="actor")["MALLOC_ARENA_MAX"] == "2"
+    assert "MALLOC_ARENA_MAX" not in child_env(vllm, role="server")
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
+    assert child_env(builtin, role="actor")["MALLOC_ARENA_MAX"] == "8"
+    assert child_env(vllm, role="server")["MALLOC_ARENA_MAX"] == "8"
