@@ -248,7 +248,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     t0 = result["t0"]
-    fig, (ax_v, ax_l, ax_m) = plt.subplots(3, 1, figsize=(13, 10), sharex=True)
+    fig, (ax_v, ax_l, ax_m) = plt.subplots(3, 1, figsize=(13, 11), sharex=True)
     seen = result["version_times"]
     ax_v.step([(t - t0) / 60 for _v, t in seen], [v for v, _t in seen], where="post", color="k")
     ax_v.set_ylabel("weight version")
@@ -260,15 +260,23 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax_l.set_ylabel("max lag of the samples\ntrained by the version")
     ax_l.legend(loc="upper right")
     for name, pts2 in sorted(result["memory"].items()):
-        slope = result["slopes"][name]["slope_mib_per_min"]
-        first = pts2[0][1]
+        fitted = result["slopes"][name]
+        # The pid the slope is of (the longest-lived), without readings of 0 (a zombie); a process
+        # with no slope (the loader, which ends early) is left out.
+        mine = [(t, r) for t, r, p in pts2 if p == fitted["pid"] and r > 0]
+        if not fitted["minutes"] or not mine:
+            continue
+        first = mine[0][1]
+        restarts = f", {fitted['restarts']} restart(s)" if fitted["restarts"] else ""
         ax_m.plot(
-            [(t - t0) / 60 for t, _r, _p in pts2], [r - first for _t, r, _p in pts2],
-            label=f"{name} ({first:.0f} MiB, {slope:+.3f} MiB/min)",
+            [(t - t0) / 60 for t, _r in mine], [r - first for _t, r in mine],
+            label=f"{name} ({first:.0f} MiB, {fitted['slope_mib_per_min']:+.3f} MiB/min{restarts})",
         )  # fmt: skip
     ax_m.set_ylabel("RSS growth since its\nfirst sample (MiB)")
-    ax_m.set_xlabel("minutes (slopes: each process's longest-lived pid, after the warm-up)")
-    ax_m.legend(fontsize=7, ncol=3, loc="upper left")
+    ax_m.set_xlabel("minutes (each process's longest-lived pid; slopes after the warm-up)")
+    ax_m.legend(
+        fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.22)
+    )  # below: the lines fill the panel
     starts = {}
     labelled = set()
     for e in result["events"]:
@@ -290,7 +298,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         f"{c['beyond_lag_bound']} beyond max_lag + 1"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
 
 
 def counts(data: dict[str, Any]) -> dict[str, Any]:
@@ -346,7 +354,22 @@ def main() -> int:
     ap.add_argument(
         "--env", action="append", default=[], metavar="KEY=VALUE", help="in the run's environment; repeatable"
     )
+    ap.add_argument(
+        "--replot",
+        metavar="JSON",
+        type=Path,
+        help="draw the PNG beside a results JSON again, and do nothing else",
+    )
     args = ap.parse_args()
+    if args.replot:  # the slopes fitted again too, with this code's rules
+        done = json.loads(args.replot.read_text())
+        done["slopes"] = slopes(
+            done["memory"], skip_s=min(300, done["minutes"] * 60 / 4), end=done["t0"] + done["minutes"] * 60
+        )
+        args.replot.write_text(json.dumps(done, indent=1))
+        plot(done, args.replot.with_suffix(".png"))
+        print(f"wrote {args.replot} (slopes) and {args.replot.with_suffix('.png')}")
+        return 0
     overrides = [kv.split("=", 1) for kv in args.set]
     extra_env = dict(kv.split("=", 1) for kv in args.env)
     if any(len(kv) != 2 for kv in overrides) or any("=" not in kv for kv in args.env):
