@@ -49,35 +49,18 @@ def fit(points: list[tuple[float, float]]) -> float:
 
 def child(cycles: int, every: int, out: Path) -> None:
     """The trainer's side, in a process of its own (its environment is the variant's)."""
-    import httpx
     import torch
     from transformers import AutoModelForCausalLM
 
     sys.path.insert(0, str(REPO / "tests"))
     from models import cached_model
+    from weight_stall import start_server  # this folder's: the server as weight_stall.py starts it
 
     from stream_rl.weights import ServerEndpoint, WeightSender
 
     model = cached_model("tiny")
-    tmp = Path(tempfile.mkdtemp(prefix="rejoin-"))
-    port_file = tmp / "port"
-    cmd = [sys.executable, "-m", "stream_rl.cli", "serve", "--model", str(model), "--port", "0"]
-    cmd += ["--port-file", str(port_file), "--admin-token", "t", "--threads", "1"]
-    with open(tmp / "server.log", "wb") as log:
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    server, url = start_server(model, Path(tempfile.mkdtemp(prefix="rejoin-")), "t")
     try:
-        while not (port_file.exists() and port_file.read_text().strip()):
-            if server.poll() is not None:
-                raise SystemExit(f"the server exited: see {tmp / 'server.log'}")
-            time.sleep(0.2)
-        url = f"http://127.0.0.1:{port_file.read_text().strip()}"
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
         weights = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
         named = [(n, p.detach().clone()) for n, p in weights.named_parameters()]
         trim = ctypes.CDLL(None).malloc_trim
