@@ -117,10 +117,13 @@ class KafkaProducer:
         self._errors: list[str] = []
         self._wedged = False
 
+    def _refused(self, err: ck.KafkaError, topic: str) -> KafkaError:
+        op = "IDEMPOTENT_WRITE" if err.code() == ck.KafkaError.CLUSTER_AUTHORIZATION_FAILED else "WRITE"
+        return refusal(err, self._who, op, topic)
+
     def _on_delivery(self, err: ck.KafkaError | None, msg: ck.Message) -> None:
         if err is not None and is_refusal(err):
-            op = "IDEMPOTENT_WRITE" if err.code() == ck.KafkaError.CLUSTER_AUTHORIZATION_FAILED else "WRITE"
-            self._errors.append(str(refusal(err, self._who, op, msg.topic() or "")))
+            self._errors.append(str(self._refused(err, msg.topic() or "")))
         elif err is not None:
             self._errors.append(f"{msg.topic()}: {err.str()}")
 
@@ -147,6 +150,10 @@ class KafkaProducer:
             except BufferError:
                 self._p.poll(0.1)  # local queue full: let deliveries drain
             except ck.KafkaException as exc:
+                # A refusal comes here when librdkafka already knows it (the topic's metadata said
+                # so), else in the delivery report at flush: the same one line either way.
+                if exc.args and is_refusal(exc.args[0]):
+                    raise self._refused(exc.args[0], topic) from exc
                 raise fail(f"produce to {topic}", exc) from exc
         self._p.poll(0)
         self._fatal.check(f"produce to {topic}")

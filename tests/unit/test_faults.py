@@ -491,3 +491,26 @@ def test_children_get_glibcs_arena_cap_but_not_vllms_servers(monkeypatch) -> Non
     monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
     assert child_env(builtin, role="actor")["MALLOC_ARENA_MAX"] == "8"
     assert child_env(vllm, role="server")["MALLOC_ARENA_MAX"] == "8"
+
+
+def test_a_write_refused_at_produce_is_the_same_one_line_as_at_delivery() -> None:
+    """librdkafka raises a refusal from produce() once it knows the topic is not allowed (a clean
+    clone's secured-cluster test got the raw KafkaError there instead of the one line naming the
+    principal and the right that a delivery report gives)."""
+    import confluent_kafka as ck
+
+    from stream_rl.errors import KafkaError
+    from stream_rl.kafka import confluent
+
+    class Refuses:
+        def produce(self, topic: str, **kwargs: object) -> None:
+            raise ck.KafkaException(
+                ck.KafkaError(ck.KafkaError.TOPIC_AUTHORIZATION_FAILED, "Topic authorization failed")
+            )
+
+    producer = confluent.KafkaProducer("127.0.0.1:1", "refused-test")
+    producer._p = Refuses()  # type: ignore[assignment]
+    with pytest.raises(
+        KafkaError, match=r"Kafka refused User:ANONYMOUS WRITE on topic t-b \(TOPIC_AUTHORIZATION_FAILED\)"
+    ):
+        producer.produce("t-b", b"x")
