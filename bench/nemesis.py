@@ -134,13 +134,18 @@ def slopes(
     skip_s: float,
     end: float = float("inf"),
     floor_s: float = 180,
+    ceiling_s: float = 300,
 ) -> dict[str, dict[str, Any]]:
     """Per process, the RSS slope (MiB/min) of its longest-lived pid after `skip_s` of warm-up and
-    before `end` (the stop), that of the last half alone, and the floor's: the slope of the least
-    RSS of each `floor_s` window. Every stage hands freed C heap back each minute
-    (`stream_rl.common.heap`), so a process that allocates in bursts draws a saw whose fitted
-    slope is noise; the floor is what it keeps."""
+    before `end` (the stop), that of the last half alone, the floor's (the slope of the least RSS
+    of each `floor_s` window) and the ceiling's (of the greatest RSS of each `ceiling_s` window).
+    Every stage hands freed C heap back each minute (`stream_rl.common.heap`), so a process that
+    allocates in bursts draws a saw whose fitted slope is noise, and the faults cut dips into it
+    (a stage waiting on a broker holds less); a leak lifts the ceiling, a saw and a dip do not.
+    `ceilings` lists every pid's windows from its start, warm-up included: [minute of the run,
+    greatest RSS, pid]."""
     out = {}
+    t0 = min((t for pts in samples.values() for t, _r, _p in pts), default=0.0)
     for name, pts in samples.items():
         by_pid = Counter(p for _t, _r, p in pts)
         pid = by_pid.most_common(1)[0][0]
@@ -156,6 +161,13 @@ def slopes(
             if k not in floors or r < floors[k][1]:
                 floors[k] = (m, r)
         floor, floor_err = fit(sorted(floors.values()))
+        ceiling, ceiling_err = fit(sorted(_ceilings([(m, r) for m, r in window], ceiling_s)))
+        every: list[tuple[float, float, int]] = []
+        for p in by_pid:
+            run = [((t - t0) / 60, r) for t, r, q in pts if q == p and t <= end and r > 0]
+            every += [
+                (round(m, 1), r, p) for m, r in _ceilings(run, ceiling_s, origin=run[0][0] if run else 0)
+            ]
         out[name] = {
             "pid": pid,
             "restarts": len(by_pid) - 1,
@@ -167,8 +179,27 @@ def slopes(
             "last_half_slope": round(fit(half)[0], 4),
             "floor_slope": round(floor, 4),
             "floor_stderr": round(floor_err, 4),
+            "ceiling_slope": round(ceiling, 4),
+            "ceiling_stderr": round(ceiling_err, 4),
+            "ceilings": sorted(every),
         }
     return out
+
+
+def _ceilings(
+    points: list[tuple[float, float]], window_s: float, origin: float = 0.0
+) -> list[tuple[float, float]]:
+    """The greatest reading of each whole `window_s` window from `origin` (minutes, MiB): a last
+    window shorter than the others is left out, its maximum being over fewer readings."""
+    if not points:
+        return []
+    best: dict[int, tuple[float, float]] = {}
+    for m, r in points:
+        k = int((m - origin) * 60 // window_s)
+        if k not in best or r > best[k][1]:
+            best[k] = (m, r)
+    whole = int((points[-1][0] - origin) * 60 // window_s)
+    return [best[k] for k in sorted(best) if k < whole]
 
 
 def make_plan(
@@ -256,6 +287,10 @@ def counts(data: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def warmup_s(given: float | None, minutes: float) -> float:
+    return given if given is not None else min(300, minutes * 60 / 4)
+
+
 def _value(text: str) -> Any:
     """A --set value: JSON where it parses (numbers, true, lists), else the string itself (`off`)."""
     try:
@@ -292,12 +327,21 @@ def main() -> int:
         type=Path,
         help="draw the PNG beside a results JSON again, and do nothing else",
     )
+    ap.add_argument(
+        "--warmup",
+        type=float,
+        metavar="S",
+        help="seconds of each process's start left out of its slopes (default: 300, or a quarter of a shorter run)",
+    )
     args = ap.parse_args()
     if args.replot:  # the slopes fitted again too, with this code's rules
         done = json.loads(args.replot.read_text())
         done["slopes"] = slopes(
-            done["memory"], skip_s=min(300, done["minutes"] * 60 / 4), end=done["t0"] + done["minutes"] * 60
+            done["memory"],
+            skip_s=warmup_s(args.warmup, done["minutes"]),
+            end=done["t0"] + done["minutes"] * 60,
         )
+        done["warmup_s"] = warmup_s(args.warmup, done["minutes"])
         args.replot.write_text(json.dumps(done, indent=1))
         plot(done, args.replot.with_suffix(".png"), MAX_LAG)
         print(f"wrote {args.replot} (slopes) and {args.replot.with_suffix('.png')}")
@@ -418,8 +462,11 @@ def main() -> int:
                     "lag_by_version": {str(k): v for k, v in trained_at.items()},
                     "counts": counts(data),
                     "memory": sampler.samples,
+                    "warmup_s": warmup_s(args.warmup, args.minutes),
                     "slopes": slopes(
-                        sampler.samples, skip_s=min(300, args.minutes * 60 / 4), end=t0 + args.minutes * 60
+                        sampler.samples,
+                        skip_s=warmup_s(args.warmup, args.minutes),
+                        end=t0 + args.minutes * 60,
                     ),
                     "tmp": str(tmp),
                 }

@@ -45,12 +45,17 @@ def plot(result: dict[str, Any], path: Path, max_lag: int) -> None:
             continue
         first = mine[0][1]
         restarts = f", {fitted['restarts']} restart(s)" if fitted["restarts"] else ""
+        # The ceiling's slope (a leak lifts it; dips and a saw do not), where the results have it.
+        ceiling = f", ceiling {fitted['ceiling_slope']:+.3f}" if "ceiling_slope" in fitted else ""
         ax_m.plot(
             [(t - t0) / 60 for t, _r in mine], [r - first for _t, r in mine],
-            label=f"{name} ({first:.0f} MiB, {fitted['slope_mib_per_min']:+.3f} MiB/min{restarts})",
+            label=f"{name} ({first:.0f} MiB, {fitted['slope_mib_per_min']:+.3f}{ceiling} MiB/min{restarts})",
         )  # fmt: skip
     ax_m.set_ylabel("RSS growth since its\nfirst sample (MiB)")
-    ax_m.set_xlabel("minutes (each process's longest-lived pid; slopes after the warm-up)")
+    ax_m.set_xlabel(
+        f"minutes (each process's longest-lived pid; slopes fitted, and of each 5-min window's greatest, "
+        f"after {result.get('warmup_s', 300) / 60:.0f} min of warm-up)"
+    )
     ax_m.legend(
         fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.22)
     )  # below: the lines fill the panel

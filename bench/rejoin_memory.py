@@ -12,7 +12,10 @@ variants run in turn in one invocation, `--repeats` times each:
     .venv/bin/python bench/rejoin_memory.py [--cycles 200] [--repeats 2]
 
 Prints a table (MiB grown per 100 re-joins after the first `--warmup` cycles, fitted, for the
-sender and the server) and writes bench/results/rejoin_memory.json.
+sender and the server) and writes bench/results/rejoin_memory.json, whose readings also hold the
+server's threads and open files (a group never released keeps both). Run long enough to span
+several of the server's minute trims (`--cycles 1000`: 3 minutes a variant); a shorter run measures
+freed heap not yet handed back.
 """
 
 from __future__ import annotations
@@ -37,6 +40,16 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+def threads_fds(pid: int) -> tuple[int, int]:
+    """A process's threads and open file descriptors: a group never released keeps both."""
+    threads = next(
+        int(line.split()[1])
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+        if line.startswith("Threads")
+    )
+    return threads, len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def fit(points: list[tuple[float, float]]) -> float:
@@ -76,8 +89,15 @@ def child(cycles: int, every: int, out: Path) -> None:
                 raise SystemExit(f"push failed: {report.failed}")
             if cycle % every == 0:
                 trim(0)
+                threads, fds = threads_fds(server.pid)
                 readings.append(
-                    {"cycle": cycle, "sender": rss_mib(os.getpid()), "server": rss_mib(server.pid)}
+                    {
+                        "cycle": cycle,
+                        "sender": rss_mib(os.getpid()),
+                        "server": rss_mib(server.pid),
+                        "server_threads": threads,
+                        "server_fds": fds,
+                    }
                 )
             sender.drop(url)
             if failed := sender.connect():
