@@ -179,7 +179,13 @@ class KafkaTransport:
     def watermarks(self, topic: str) -> dict[int, tuple[int, int]]:
         return self._retry(lambda: self._watermarks(topic), f"list offsets of {topic}")
 
-    def _watermarks(self, topic: str) -> dict[int, tuple[int, int]]:
+    def log_ends(self, topic: str) -> dict[int, int]:
+        return self._retry(
+            lambda: {p: high for p, (_low, high) in self._watermarks(topic, committed=False).items()},
+            f"list offsets of {topic}",
+        )
+
+    def _watermarks(self, topic: str, committed: bool = True) -> dict[int, tuple[int, int]]:
         from confluent_kafka.admin import OffsetSpec
 
         md = self._topic_metadata(topic, 10.0)
@@ -187,11 +193,12 @@ class KafkaTransport:
         # Short tries, and a leader that gave no offset is asked again only once it accepts
         # connections: librdkafka's ListOffsets spins on a dead leader (stream_rl/kafka/leaders.py).
         timeout = self._leaders.check(topic, leaders)
+        isolation = ck.IsolationLevel.READ_COMMITTED if committed else ck.IsolationLevel.READ_UNCOMMITTED
         out: dict[int, tuple[int, int]] = {p: (0, 0) for p in leaders}
         for idx, spec in enumerate((OffsetSpec.earliest(), OffsetSpec.latest())):
             futs = self.admin.list_offsets(
                 {ck.TopicPartition(topic, p): spec for p in leaders},
-                isolation_level=ck.IsolationLevel.READ_COMMITTED,
+                isolation_level=isolation,
                 request_timeout=timeout,
             )
             for tp, fut in futs.items():

@@ -290,6 +290,10 @@ class MemoryTransport:
         with self.broker.cond:
             return {p: (0, len(log)) for p, log in enumerate(self.broker.topics[topic])}
 
+    def log_ends(self, topic: str) -> dict[int, int]:
+        # A transaction's records enter the log at its commit: nothing is ever undecided here.
+        return {p: high for p, (_low, high) in self.watermarks(topic).items()}
+
     def group_offsets(self, group_id: str, topic: str) -> dict[int, int]:
         with self.broker.cond:
             group = self.broker.groups.get(group_id, _Group())

@@ -9,6 +9,11 @@ from collections.abc import Iterator
 from stream_rl.errors import KafkaError
 from stream_rl.kafka.transport import Message, Transport
 
+SETTLE_S = 60.0
+"""How long a reader that must see every commit waits for the transactions in the log to be
+decided: four times the producers' `transaction.timeout.ms` (15 s, `producer.py`), after which the
+coordinator aborts a transaction whose producer died without one."""
+
 
 def read_to_end(
     transport: Transport,
@@ -20,11 +25,17 @@ def read_to_end(
     timeout_s: float = 60.0,
     start: dict[int, int] | None = None,
     marks: dict[int, tuple[int, int]] | None = None,
+    settle_s: float | None = None,
 ) -> Iterator[Message]:
     """Yield every committed record of `partitions` (all when None) up to the end offsets seen at
     the call (or `marks`, watermarks the caller read), in offset order per partition, from `start`
     where given (a partition's next offset to read; never below its low watermark). Raises
-    KafkaError if the end is not reached in time."""
+    KafkaError if the end is not reached in time.
+
+    With `settle_s`, first wait (at most that long) until every transaction in the log at the call
+    is decided and marked (`settled`): the reader then sees every commit that returned before it."""
+    if settle_s is not None and marks is None:
+        settled(transport, topic, partitions, settle_s)
     marks = marks if marks is not None else transport.watermarks(topic)
     wanted = {p: marks[p] for p in (partitions if partitions is not None else sorted(marks))}
     begin = {p: max(low, (start or {}).get(p, low)) for p, (low, _high) in wanted.items()}
@@ -48,3 +59,26 @@ def read_to_end(
                 raise KafkaError(f"reading {topic} to its end timed out after {timeout_s}s: {behind}")
     finally:
         consumer.close()
+
+
+def settled(transport: Transport, topic: str, partitions: list[int] | None, timeout_s: float) -> None:
+    """Wait until each partition's last stable offset (the end a read_committed reader is given)
+    reaches its log's end as it is now, i.e. every transaction already in the log is decided and
+    its markers written. A transactional commit returns once the coordinator has logged the
+    decision; the markers reach the partitions after that, so a read right after another
+    producer's commit can stop short of that commit's records. Raises KafkaError naming the
+    partitions after `timeout_s` (a transaction held open that long)."""
+    ends = transport.log_ends(topic)
+    wanted = {p: ends[p] for p in (partitions if partitions is not None else ends)}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stable = transport.watermarks(topic)
+        short = {p: (stable[p][1], end) for p, end in wanted.items() if stable[p][1] < end}
+        if not short:
+            return
+        if time.monotonic() > deadline:
+            raise KafkaError(
+                f"{topic}: a transaction is still undecided after {timeout_s:g}s (partition: "
+                f"(last stable offset, log end) {short}); another producer holds it open"
+            )
+        time.sleep(0.02)

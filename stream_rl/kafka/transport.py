@@ -126,6 +126,12 @@ class Transport(Protocol):
         """(low, high) offsets of every partition of a topic (high = end, read_committed)."""
         ...
 
+    def log_ends(self, topic: str) -> dict[int, int]:
+        """The end of every partition's log, records of undecided transactions included
+        (read_uncommitted): `watermarks`' high stays below it while a transaction is open, or is
+        decided and its markers are not yet written."""
+        ...
+
     def group_offsets(self, group_id: str, topic: str) -> dict[int, int]:
         """Committed offsets of a group on every partition of a topic (-1 where none)."""
         ...
