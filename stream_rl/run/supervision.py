@@ -229,6 +229,15 @@ class Supervision:
         stuck = [c for c in self.children if stall.stage is not None and c.role == stall.stage]
         cfg = self.config.launcher
         live = [c for c in stuck if c.proc is not None and c.proc.poll() is None]
+        # The stage blamed is the one whose input waits; the cause can sit upstream or downstream
+        # of it (a preprocessor whose transaction never ends starves the trainer, and the actor
+        # then waits on the lag bound): every other stage's stacks too, into its own log.
+        others = [c.name for c in self.children if c not in stuck and c.dump_stacks()]
+        if others:
+            print(
+                f"\n{stall.message}: the stacks of {', '.join(others)} are at the end of their logs",
+                file=sys.stderr,
+            )
         if cfg.restart and live and all(c.restarts < cfg.max_restarts for c in live):
             for child in live:
                 dumped = child.dump_stacks()

@@ -37,6 +37,7 @@ def _blocked_stage(tmp_path: Path, role: str) -> Child:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
+    tmp_path.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "stream_rl.cli", "loader", "--config", "configs/demo-cpu.yaml"]
     child = Child(f"{role}-0", role, [*cmd, "--bootstrap", f"127.0.0.1:{closed}"], tmp_path)
     assert child.dumps_stacks
@@ -77,21 +78,27 @@ def test_the_launcher_asks_a_stuck_stage_for_its_stacks_before_it_kills_it(
 ) -> None:
     sup = Supervision()
     sup.config = load_config(REPO / "configs" / "demo-cpu.yaml", ["launcher.restart=true"])
-    child = _blocked_stage(tmp_path, "actor")
-    sup.children = [child]
+    child = _blocked_stage(tmp_path / "actor", "actor")
+    other = _blocked_stage(tmp_path / "preprocessor", "preprocessor")
+    sup.children = [child, other]
     watchdog = Watchdog(timeout_s=10)
     watchdog.observe(0.0, Sample(version=3, outputs={"loader": 40}, lags={"actor": 8}))
     watchdog.observe(6.0, Sample(version=3, outputs={"loader": 40}, lags={"actor": 8}))
     try:
         assert sup.handle_stall(watchdog)  # restarted, not stopped
         assert child.proc is not None and child.proc.poll() is not None, "killed"
+        assert other.proc is not None and other.proc.poll() is None, "a stage not blamed goes on"
     finally:
-        assert child.proc is not None
-        child.proc.kill()
-        child.proc.wait()
+        for c in (child, other):
+            assert c.proc is not None
+            c.proc.kill()
+            c.proc.wait()
     err = capsys.readouterr().err
     assert "stuck: actor" in err and f"its threads' stacks are at the end of {child.log}" in err, err
     assert "(most recent call first):" in child.log.read_text()
+    # The stages not blamed: their stacks too, each in its own log, and named.
+    assert "the stacks of preprocessor-0 are at the end of their logs" in err, err
+    assert "(most recent call first):" in other.log.read_text()
 
 
 def test_a_stage_that_does_not_stop_on_sigterm_is_asked_then_killed(
