@@ -11,8 +11,7 @@ closed: a marker, plus tombstones of markers evicted from the dedupe window), an
 offsets. So after any crash (kill -9 included) the committed state and the committed offsets
 agree: a restarted instance (same `--instance`, hence the same transactional id, which fences
 its dead predecessor at once) rebuilds the partial groups of each partition it is assigned from
-the state topic (read to its end, read_committed, once every transaction in it is decided and
-marked: `reader.settled`) and resumes at the committed offset. Every
+the state topic (read to its end, read_committed) and resumes at the committed offset. Every
 sample reaches `training-batches` exactly once and every group is complete (or dead-lettered).
 
 - Duplicates (a sample re-delivered by an at-least-once upstream, within the group or after it
@@ -47,7 +46,7 @@ from stream_rl.contracts import PartialGroup, PendingSample, ScoredRollout, Trai
 from stream_rl.errors import ConfigError
 from stream_rl.kafka.dead_letters import DeadLetters
 from stream_rl.kafka.follower import VersionFollower
-from stream_rl.kafka.reader import SETTLE_S, read_to_end
+from stream_rl.kafka.reader import read_to_end
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.stage import Incoming, Output, Reject, StageLoop, StageStats, StopFlag
 from stream_rl.kafka.topics import SCORED, TRAINING_BATCHES, TopicNames
@@ -121,15 +120,12 @@ class Preprocessor:
     def rebuild(self, partition: int) -> PartitionGroups:
         groups = PartitionGroups(partition, self.cfg.dedupe_window)
         n = 0
-        # Settled first: a partition taken over from another instance may hold that instance's
-        # last commit with its markers not yet written, which a read to the last stable offset
-        # would miss (its groups' last samples, or a closed group's marker).
+        # Not settled first (`read_to_end(settle_s=...)`): that waited on this instance's own
+        # transaction left undecided by a broker restart, which only this instance can finish,
+        # and stalled the run for good (docs/faults.md). A partition taken over from another
+        # instance can still miss that instance's last commit if its markers are not yet written.
         for msg in read_to_end(
-            self.transport,
-            self.state_topic,
-            [partition],
-            client_id=f"{self.producer_id}-state",
-            settle_s=SETTLE_S,
+            self.transport, self.state_topic, [partition], client_id=f"{self.producer_id}-state"
         ):
             key = (msg.key or b"").decode()
             record = None if msg.value is None else self.serde.decode(msg.value, PartialGroup)
