@@ -9,11 +9,6 @@ from collections.abc import Iterator
 from stream_rl.errors import KafkaError
 from stream_rl.kafka.transport import Message, Transport
 
-SETTLE_S = 60.0
-"""How long a reader that must see every commit waits for the transactions in the log to be
-decided: four times the producers' `transaction.timeout.ms` (15 s, `producer.py`), after which the
-coordinator aborts a transaction whose producer died without one."""
-
 
 def read_to_end(
     transport: Transport,
