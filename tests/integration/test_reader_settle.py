@@ -47,6 +47,11 @@ def _open_transaction(kafka: KafkaTransport, topic: str, tid: str) -> Any:
     return producer
 
 
+def _undecided(kafka: KafkaTransport, topic: str) -> bool:
+    """Partition 0's record is in the log while a read_committed reader's end stops before it."""
+    return kafka.log_ends(topic)[0] > kafka.watermarks(topic)[0][1]
+
+
 def test_a_transaction_undecided_when_the_read_starts_is_read_once_committed(
     kafka: KafkaTransport, run_names: TopicNames
 ) -> None:
@@ -54,7 +59,7 @@ def test_a_transaction_undecided_when_the_read_starts_is_read_once_committed(
     producer = _open_transaction(kafka, topic, f"settle-{run_names.run}")
     try:
         # The fault: the record is in the log, and a read_committed reader's end stops before it.
-        assert kafka.log_ends(topic)[0] > kafka.watermarks(topic)[0][1]
+        assert _undecided(kafka, topic)
         watching = _Watching(kafka)
         got: list[Message] = []
         reader = threading.Thread(
@@ -82,7 +87,7 @@ def test_a_transaction_held_open_past_the_bound_is_one_line(
             KafkaError, match=rf"{topic}: a transaction is still undecided after 1s .*holds it open"
         ):
             list(read_to_end(kafka, topic, [0], settle_s=1))
-        assert kafka.log_ends(topic)[0] > kafka.watermarks(topic)[0][1]  # still open: the fault held
+        assert _undecided(kafka, topic)  # still open: the fault held
     finally:
         producer.abort_transaction()
         producer.close()
