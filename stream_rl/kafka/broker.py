@@ -257,6 +257,7 @@ class LocalBroker:
         version: str = KAFKA_VERSION,
         listener: Listener | None = None,
         quorum: Quorum | None = None,
+        log_config: Path | None = None,
     ) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.port = port
@@ -267,6 +268,8 @@ class LocalBroker:
         the secured broker's listeners, which replace it (`stream_rl/kafka/secure.py`)."""
         self.quorum = quorum
         """Set for a node of a multi-node cluster (`LocalCluster`); None: a standalone broker."""
+        self.log_config = log_config
+        """A log4j2 file laid over deploy/kafka/log4j2.properties (e.g. a logger at INFO)."""
 
     @property
     def state_file(self) -> Path:
@@ -320,7 +323,7 @@ class LocalBroker:
 
     def _java(self) -> list[str]:
         java = _require_tool("java", "install a JDK 17+ (e.g. `apt-get install openjdk-17-jdk-headless`)")
-        log4j = DEPLOY_DIR / "log4j2.properties"
+        log4j = ",".join(str(p) for p in (DEPLOY_DIR / "log4j2.properties", self.log_config) if p)
         return [java, *JVM_OPTS, f"-Dlog4j2.configurationFile={log4j}", "-cp", f"{jars_dir(self.version)}/*"]
 
     def _archive(self) -> ClassArchive:

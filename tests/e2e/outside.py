@@ -82,6 +82,61 @@ def committed(bootstrap: str, group: str, name: str) -> dict[int, int]:
         consumer.close()
 
 
+def undecided(bootstrap: str, run: str, groups: tuple[str, ...]) -> list[str]:
+    """What Kafka holds undecided for a run, one line each (a stalled nemesis step prints it): the
+    partitions whose last stable offset (the read_committed end) stops short of the log end, an open
+    transaction there, and the groups whose committed offsets a read_committed client cannot fetch
+    (a transactional offset commit still pending on the group coordinator), with what a
+    read_uncommitted client reads there."""
+    from confluent_kafka.admin import AdminClient, OffsetSpec
+
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
+    lines: list[str] = []
+    md = admin.list_topics(timeout=10)
+    names = sorted(t for t in md.topics if t.startswith(topic(run, "")) or t == "__consumer_offsets")
+    for name in names:
+        parts = [ck.TopicPartition(name, p) for p in sorted(md.topics[name].partitions)]
+        ends: list[dict[int, int | str]] = []
+        for level in (ck.IsolationLevel.READ_COMMITTED, ck.IsolationLevel.READ_UNCOMMITTED):
+            futs = admin.list_offsets(
+                {tp: OffsetSpec.latest() for tp in parts}, isolation_level=level, request_timeout=10
+            )
+            got: dict[int, int | str] = {}
+            for tp, fut in futs.items():
+                try:
+                    got[tp.partition] = fut.result().offset
+                except ck.KafkaException as exc:
+                    got[tp.partition] = str(exc)
+            ends.append(got)
+        for p in sorted(ends[1]):
+            if ends[0].get(p) != ends[1][p]:
+                lines.append(f"{name}[{p}]: last stable offset {ends[0].get(p)}, log end {ends[1][p]}")
+    for group in groups:
+        gid = f"stream-rl.{run}.{group}"
+        for level in ("read_committed", "read_uncommitted"):
+            consumer = ck.Consumer(
+                {"bootstrap.servers": bootstrap, "group.id": gid, "isolation.level": level, "log_level": 0}
+            )
+            try:
+                tps = [
+                    ck.TopicPartition(t, p)
+                    for t in names
+                    if not t.startswith("__")
+                    for p in md.topics[t].partitions
+                ]
+                res = consumer.committed(tps, timeout=10)
+                offsets = {
+                    f"{r.topic.rsplit('.', 1)[-1]}[{r.partition}]": r.offset for r in res if r.offset >= 0
+                }
+                if level == "read_uncommitted":
+                    lines.append(f"group {group}: committed (read_uncommitted) {offsets}")
+            except ck.KafkaException as exc:
+                lines.append(f"group {group}: committed offsets ({level}): {exc.args[0].str()}")
+            finally:
+                consumer.close()
+    return lines
+
+
 class VersionWatch:
     """A run's weight versions as they come, read from `weight-versions` outside any group (what
     the chaos and scaling tests act on). The topic is assigned once it exists (the launcher makes

@@ -56,7 +56,7 @@ from nemesis import (
     seeded_seconds,
     tmpfs,
 )
-from outside import Decoder, VersionWatch
+from outside import Decoder, VersionWatch, undecided
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -102,6 +102,16 @@ BOUNDS = {
 """Seconds from a fault's end to the next weight version, at most (a loaded 2-core machine; the
 measured figures are in docs/faults.md). The long pause's stage is fenced and restarted by the
 launcher; the full disk's broker halts and is started again (10-60 s here) before anything moves."""
+COORDINATORS_INFO = """\
+logger.txn.name = kafka.coordinator.transaction
+logger.txn.level = INFO
+logger.group.name = org.apache.kafka.coordinator.group
+logger.group.level = INFO
+logger.runtime.name = org.apache.kafka.coordinator.common.runtime
+logger.runtime.level = INFO
+"""
+"""The broker's transaction and group coordinators at INFO (what they load, abort and complete):
+a step that does not recover prints their lines (see `stalled`)."""
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +129,9 @@ def nemesis_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     run_dir = tmp / "runs" / RUN
     switch = tmp / "server-faults"
     with tmpfs(tmp / "kafka", size_mb=96) as kafka_dir:
-        broker = LocalBroker(kafka_dir, port=free_port(net.host_addr), host=net.host_addr)
+        log4j = tmp / "coordinators-info.properties"
+        log4j.write_text(COORDINATORS_INFO)
+        broker = LocalBroker(kafka_dir, port=free_port(net.host_addr), host=net.host_addr, log_config=log4j)
         proc: subprocess.Popen[bytes] | None = None
         watch: VersionWatch | None = None
         try:
@@ -190,6 +202,8 @@ def nemesis_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             started = time.monotonic()
             nemesis = Nemesis(events, watch.poll, lambda: proc is not None and proc.poll() is not None)
             nemesis.run(plan)
+            if any(step.result is None or step.result["recovered_s"] is None for step in plan):
+                stalled(bootstrap, broker.log_file)
             faults_s = round(time.monotonic() - started, 1)
             last = watch.poll()
             nemesis.wait_version(last + AFTER - 1, 120)
@@ -229,6 +243,19 @@ def nemesis_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
     print(json.dumps({"seed": SEED, "faults_s": faults_s, "events": events.events}, default=str))
     return data
+
+
+def stalled(bootstrap: str, broker_log: Path) -> None:
+    """A step did not recover: what Kafka holds undecided and what its coordinators logged, printed
+    (pytest shows it with the failure) before anything else reads the topics."""
+    print("a step did not recover; Kafka's undecided state:", flush=True)
+    for line in undecided(bootstrap, RUN, ("actor", "verifier", "preprocessor", "trainer")):
+        print("  " + line, flush=True)
+    lines = broker_log.read_text(errors="replace").splitlines() if broker_log.is_file() else []
+    keep = [line for line in lines if "Coordinator" in line or "ERROR" in line or "arker" in line]
+    print(f"the broker's coordinator and error lines (last 80 of {len(keep)}):", flush=True)
+    for line in keep[-80:]:
+        print("  " + line[:400], flush=True)
 
 
 def test_the_run_went_on_through_every_fault_and_stopped_cleanly(nemesis_run: dict[str, Any]) -> None:
