@@ -26,7 +26,8 @@ from pathlib import Path
 
 from stream_rl.kafka.broker import LocalBroker, free_port, jars_dir
 from stream_rl.kafka.confluent import KafkaTransport
-from stream_rl.kafka.members import PROGRAM, program_command
+from stream_rl.kafka.java_admin import program_command
+from stream_rl.kafka.members import PROGRAM
 
 RESULTS = Path(__file__).parent / "results" / "static_members.json"
 
@@ -63,7 +64,7 @@ def main() -> None:
     props = work / "client.properties"
     props.write_text(f"bootstrap.servers={state.bootstrap}\nrequest.timeout.ms=15000\n")
     sides = {
-        "compiled": program_command(java, jars_dir()),
+        "compiled": program_command(java, jars_dir(), PROGRAM),
         "source": [java, "-cp", f"{jars_dir()}/*", str(PROGRAM)],
     }
     rows = []

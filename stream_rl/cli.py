@@ -20,6 +20,11 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("kafka", "stream_rl.kafka.commands", "local Kafka: fetch, up, down, status, compose-secrets, users"),
     ("topics", "stream_rl.kafka.commands", "create (apply) or list a run's topics"),
     ("lag", "stream_rl.kafka.commands", "consumer lag of a run's groups"),
+    (
+        "hanging",
+        "stream_rl.kafka.commands",
+        "hanging transactions on a run's topics (KIP-664): list them, or --abort them",
+    ),
     ("acls", "stream_rl.kafka.acl_admin", "the ACLs of a run's principals: plan (print) or apply"),
     ("loader", "stream_rl.stages.loader", "write the task's problems to `problems` (idempotent)"),
     ("actor", "stream_rl.stages.actor", "sample groups of rollouts from the inference servers"),

@@ -134,6 +134,18 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
+def _port_frees(port: int, host: str, within_s: float = 5.0) -> bool:
+    """Whether `port` is free now or within `within_s`: a killed JVM counts as gone (its main
+    thread a zombie) while its other threads still hold its sockets, ~0.1 s (a restart right after
+    a kill -9 found the port taken)."""
+    deadline = time.monotonic() + within_s
+    while not port_is_free(port, host):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LISTEN_PORTS_FROM = 10000
 
@@ -345,7 +357,7 @@ class LocalBroker:
             )
         fetch_jars(self.version, quiet=quiet)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        if not port_is_free(self.port, self.host):
+        if not _port_frees(self.port, self.host):
             raise BrokerError(f"port {self.port} is taken by another process; choose another with --port")
         for port, what in self.listener.extra_ports() if self.listener is not None else ():
             if not port_is_free(port, self.host):

@@ -1,4 +1,4 @@
-"""CLI commands of the Kafka layer: `kafka`, `topics`, `lag`."""
+"""CLI commands of the Kafka layer: `kafka`, `topics`, `lag`, `hanging`."""
 
 from __future__ import annotations
 
@@ -322,3 +322,50 @@ def main_lag(args: argparse.Namespace) -> int:
         exporter.refresh(with_age=not args.no_age)
         stop.wait(args.every)
     return 0
+
+
+def add_hanging_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", help="run name")
+    p.add_argument("--prefix", default=None)
+    p.add_argument(
+        "--abort",
+        action="store_true",
+        help="abort the hanging transactions found (default: only list them); the launcher does "
+        "it by itself once no weight version came for a while",
+    )
+    p.add_argument(
+        "--min-age",
+        type=float,
+        default=None,
+        metavar="S",
+        help="only transactions whose last write is S seconds old (default 30: twice the "
+        "producers' transaction timeout)",
+    )
+    add_common(p)
+
+
+def main_hanging(args: argparse.Namespace) -> int:
+    """Exit 0: none hanging (or all aborted with --abort); 1: some hang (or an abort failed)."""
+    from stream_rl.kafka.hanging import MIN_AGE_S, find_hanging
+
+    names, bootstrap, kcfg = _names(args)
+    min_age = MIN_AGE_S if args.min_age is None else args.min_age
+    if min_age < 0:
+        raise StreamRLError(f"--min-age {min_age:g}: must be >= 0")
+    own = f"{names.prefix}.{names.run}."
+    topics = [name for name, _parts, _conf in names.all_topics() if name.startswith(own)]
+    found = find_hanging(
+        kcfg, bootstrap, topics, transactional_prefix=own, abort=args.abort, min_age_s=min_age
+    )
+    if not found.ran:
+        raise StreamRLError(f"could not look for hanging transactions of run {names.run}: {found.why}")
+    for line in found.lines:
+        print(line)
+    left = [line for line in found.hanging if not line.endswith((": aborted", "(left alone)"))]
+    print(
+        f"run {names.run}: {len(found.lines)} open transactions, {len(found.hanging)} hanging, "
+        f"{len(found.aborted)} aborted"
+    )
+    if found.why:
+        print(found.why)
+    return 1 if left or found.why else 0

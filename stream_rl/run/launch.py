@@ -305,6 +305,7 @@ class Launcher(Supervision, Scaling):
             max_wall = self.config.launcher.max_wall_s
             stall_s = self.config.launcher.stall_timeout_s
             watchdog = Watchdog(stall_s) if stall_s is not None else None
+            hanging = self.hanging_watch()
             while not self.stop:
                 if not self.check_children():
                     if self.exit_reason == "trainer finished":
@@ -314,6 +315,8 @@ class Launcher(Supervision, Scaling):
                 monitor.tick()
                 if autoscaler is not None:
                     autoscaler.tick()  # after the tick: it acts on the monitor's new sample
+                if monitor.sample is not None:
+                    hanging.tick(time.monotonic(), monitor.sample.version)
                 if watchdog is not None and monitor.sample is not None:
                     watchdog.observe(time.monotonic(), monitor.sample)
                     if not self.handle_stall(watchdog):

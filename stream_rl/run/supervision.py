@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from stream_rl.config import RunConfig
 from stream_rl.contracts import WeightVersionKind
 from stream_rl.errors import StreamRLError
+from stream_rl.kafka.hanging import HangingWatch
 from stream_rl.kafka.stage import StopFlag
 from stream_rl.run.children import FORK_SERVER, Child, child_env, child_index, die_with_parent
 from stream_rl.run.watchdog import Watchdog
@@ -219,6 +220,20 @@ class Supervision:
             self.exit_reason = f"{child.name} died"
             return False
         return True
+
+    def hanging_watch(self) -> HangingWatch:
+        """The check for hanging transactions on the run's topics (stream_rl/kafka/hanging.py): it
+        runs once no weight version came for a while, and aborts what no coordinator will end."""
+        from stream_rl.kafka.topics import TopicNames
+
+        names = TopicNames(run=self.config.run, prefix=self.config.kafka.prefix)
+        own = f"{self.config.kafka.prefix}.{self.config.run}."
+        topics = [name for name, _parts, _conf in names.all_topics() if name.startswith(own)]
+
+        def say(line: str) -> None:
+            print(f"\n{line}", file=sys.stderr)
+
+        return HangingWatch(self.config.kafka, self.bootstrap, topics, own, say)
 
     def handle_stall(self, watchdog: Watchdog) -> bool:
         """The watchdog's verdict: False when the run must stop (see stream_rl/run/watchdog.py)."""

@@ -443,6 +443,25 @@ def test_free_ports_lie_below_the_ephemeral_range_and_are_free() -> None:
             s.bind(("127.0.0.1", port))
 
 
+def test_a_port_freed_a_moment_later_is_waited_for_and_one_kept_is_refused() -> None:
+    """LocalBroker.up's check of its port: a JVM killed with -9 counts as gone (its main thread a
+    zombie) while its other threads still hold its listening socket for ~0.1 s."""
+    import socket
+    import threading
+
+    from stream_rl.kafka.broker import _port_frees, free_port
+
+    port = free_port()
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", port))
+    listener.listen()
+    assert not _port_frees(port, "127.0.0.1", within_s=0.3)  # kept: refused once the wait is over
+    closing = threading.Timer(0.3, listener.close)
+    closing.start()
+    assert _port_frees(port, "127.0.0.1", within_s=10.0)  # freed meanwhile
+    closing.join()
+
+
 def test_a_flush_stuck_while_the_broker_answers_wedges_but_an_outage_is_waited_out() -> None:
     """`KafkaProducer.flush`'s judge: no acknowledgement for STUCK_S while the broker answers the
     producer's metadata requests is stuck (the stage restarts); while the broker does not answer it

@@ -1,5 +1,6 @@
-"""How `stream-rl scale` runs RemoveStaticMembers (stream_rl/kafka/members.py): the class compiled
-once into the jars' cache where there is a javac, the source file where there is none or it fails."""
+"""How the Admin programs (stream_rl/kafka/java_admin.py: RemoveStaticMembers for `stream-rl
+scale`, AbortHangingTransactions for the launcher) run: the class compiled once into the jars'
+cache where there is a javac, the source file where there is none or it fails."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from stream_rl.kafka import members
+from stream_rl.kafka import java_admin, members
 
 pytestmark = pytest.mark.unit
 
@@ -27,12 +28,12 @@ def test_compiled_once_then_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     # A javac that writes the class into its -d directory (argument 5) and counts its calls.
     javac = _fake_javac(tmp_path, f'echo x >> {calls}; mkdir -p "$5" && touch "$5/RemoveStaticMembers.class"')
     monkeypatch.setattr(shutil, "which", lambda name: javac if name == "javac" else None)
-    first = members.program_command("java", jars)
+    first = java_admin.program_command("java", jars, members.PROGRAM)
     assert first[:2] == ["java", "-cp"] and first[-1] == "RemoveStaticMembers"
     out = Path(first[2].split(":")[0])
-    assert out.parent == tmp_path / "kafka" / "members" and (out / "RemoveStaticMembers.class").exists()
+    assert out.parent == tmp_path / "kafka" / "programs" and (out / "RemoveStaticMembers.class").exists()
     assert first[2].endswith(f":{jars}/*")
-    assert members.program_command("java", jars) == first
+    assert java_admin.program_command("java", jars, members.PROGRAM) == first
     assert calls.read_text().count("x") == 1
     assert [p.name for p in out.parent.iterdir()] == [out.name]  # no temporary directory left
 
@@ -44,5 +45,10 @@ def test_without_a_working_javac_the_source_file_runs(
     path = None if javac == "none" else _fake_javac(tmp_path, "echo 'error: cannot find symbol' >&2; exit 1")
     monkeypatch.setattr(shutil, "which", lambda name: path if name == "javac" else None)
     jars = tmp_path / "kafka" / "lib"
-    assert members.program_command("java", jars) == ["java", "-cp", f"{jars}/*", str(members.PROGRAM)]
-    assert not any((tmp_path / "kafka" / "members").glob("*"))
+    assert java_admin.program_command("java", jars, members.PROGRAM) == [
+        "java",
+        "-cp",
+        f"{jars}/*",
+        str(members.PROGRAM),
+    ]
+    assert not any((tmp_path / "kafka" / "programs").glob("*"))
