@@ -145,7 +145,10 @@ def test_n_samples_and_seeds_reproduce_regardless_of_batch(model, tokenizer) -> 
 
 def test_the_fixed_decode_shape_samples_the_same_tokens_and_logprobs(model, tokenizer) -> None:  # type: ignore[no-untyped-def]
     """`decode_shape="fixed"` runs each step over all slots, idle ones padded: occupancy here goes
-    from 8 sequences down to 2 as they finish, and every token and logprob is the default's."""
+    from 8 sequences down to 2 as they finish, and every token is the default's and every logprob
+    within 1e-4 (float32 matmuls of other shapes sum in another order: a clean-clone run saw one
+    logprob differ in its fourth decimal, -2.3244 against -2.3243 as printed, past the 1e-5 this
+    held before)."""
     lengths = [30, 7, 19, 12]
     got = {}
     for shape in ("running", "fixed"):
@@ -162,7 +165,7 @@ def test_the_fixed_decode_shape_samples_the_same_tokens_and_logprobs(model, toke
     assert [len(tokens) for tokens, _ in got["fixed"]] == [n for n in lengths for _ in range(2)]
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got["fixed"], got["running"], strict=True):
         assert tokens == want_tokens
-        assert torch.allclose(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-5, rtol=0)
+        assert torch.allclose(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-4, rtol=0)
     with pytest.raises(InferenceError, match="decode_shape"):
         Engine(model, tokenizer, decode_shape="padded")
 
