@@ -81,5 +81,17 @@ def run_program(
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return ProgramResult(False, None, [], f"no answer within {timeout_s:.0f} s")
-    err = res.stderr.strip().splitlines()
-    return ProgramResult(True, res.returncode, res.stdout.splitlines(), err[-1] if err else "")
+    return ProgramResult(True, res.returncode, res.stdout.splitlines(), java_error(res.stderr))
+
+
+def java_error(stderr: str) -> str:
+    """The one line of a Java program's stderr that says what went wrong: the deepest "Caused by:"
+    of an uncaught exception, else its "Exception in thread" line, else the last line."""
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    causes = [line.removeprefix("Caused by: ") for line in lines if line.startswith("Caused by: ")]
+    if causes:
+        return causes[-1]
+    thrown = [line.split(" ", 4)[-1] for line in lines if line.startswith("Exception in thread ")]
+    if thrown:
+        return thrown[0]
+    return lines[-1] if lines else ""

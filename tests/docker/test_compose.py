@@ -27,6 +27,7 @@ Needs deploy/docker/install.sh's tools (`make test` runs it), root, `make setup`
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 import urllib.parse
 import urllib.request
@@ -289,11 +290,29 @@ def _record_secrets(stack: Compose, out: DemoRun) -> None:
             files = {m["Destination"].removeprefix("/run/secrets/") for m in mounts}
             inside = None
             if c["state"] == "running" and service in GRANTS:
-                inside = set(stack.docker("exec", c["name"], "ls", "-A", "/run/secrets").split())
+                inside = _secrets_inside(stack, c["name"])
             out.secrets[c["name"]] = (service, {f for f in files if "/" not in f}, inside)
             config = [m["Source"] for m in mounts if m["Destination"] == "/etc/stream-rl/run.yaml"]
             if config:
                 out.configs[c["name"]] = config[0]
+
+
+def _secrets_inside(stack: Compose, name: str) -> set[str] | None:
+    """`ls /run/secrets` in a running container; None when it stopped meanwhile (the trainer can
+    finish its steps between the listing and the exec: seen in a clean-clone run, "Container ...
+    is not running")."""
+    listed = subprocess.run(
+        ["docker", "exec", name, "ls", "-A", "/run/secrets"],
+        env=stack.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if listed.returncode == 0:
+        return set(listed.stdout.split())
+    state = stack.docker("inspect", "--format", "{{.State.Status}}", name).strip()
+    assert state != "running", f"docker exec {name} ls /run/secrets: {listed.stderr.strip()}"
+    return None
 
 
 def _actor_writes_training_batches(stack: Compose) -> str:

@@ -52,3 +52,19 @@ def test_without_a_working_javac_the_source_file_runs(
         str(members.PROGRAM),
     ]
     assert not any((tmp_path / "kafka" / "programs").glob("*"))
+
+
+def test_a_java_exception_is_told_by_its_deepest_cause() -> None:
+    stderr = """Exception in thread "main" java.util.concurrent.ExecutionException: org.apache.kafka.common.errors.TimeoutException: timed out
+\tat java.base/java.util.concurrent.CompletableFuture.reportGet(CompletableFuture.java:396)
+\tat AbortHangingTransactions.main(AbortHangingTransactions.java:60)
+Caused by: org.apache.kafka.common.errors.TimeoutException: Timed out waiting for a node assignment. Call: describeProducers
+"""
+    assert java_admin.java_error(stderr) == (
+        "org.apache.kafka.common.errors.TimeoutException: Timed out waiting for a node assignment. Call: describeProducers"
+    )
+    assert java_admin.java_error(stderr.split("\n")[0]) == (
+        "java.util.concurrent.ExecutionException: org.apache.kafka.common.errors.TimeoutException: timed out"
+    )
+    assert java_admin.java_error("error: file not found\n") == "error: file not found"
+    assert java_admin.java_error("") == ""
