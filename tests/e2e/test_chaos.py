@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -100,20 +101,35 @@ def _pending_samples(bootstrap: str, decoder: Decoder, consumed: dict[int, int])
     return sum(len(decoder.decode(v)[1]["samples"]) for p, o, v in records if v and o >= consumed.get(p, 0))
 
 
+def _served_version(url: str) -> int:
+    """The weight version a server holds (its `/health`)."""
+    with urllib.request.urlopen(f"{url}/health", timeout=10) as resp:
+        return int(json.loads(resp.read())["version"])
+
+
 def _pause_server_under_a_push(
-    pids: dict[str, int], watch: VersionWatch, bootstrap: str, decoder: Decoder
+    pids: dict[str, int], watch: VersionWatch, bootstrap: str, decoder: Decoder, server_url: str
 ) -> int:
     """SIGSTOP server-0 just before the trainer pushes to it: the trainer is paused until a step's
     samples wait for it, then the server is stopped and the trainer resumed (it trains them and
     pushes to the stopped server, whose deadline drops it); `PAUSE_S` later the server resumes.
-    Returns the version the trainer held when paused."""
-    os.kill(pids["trainer"], signal.SIGSTOP)
+    The trainer is paused only once every version it pushed is read back: a push comes before the
+    version's record, whose delivery a slow broker can hold for seconds (seen: the server held
+    version 7 while `weight-versions` ended at 6, so the samples counted as waiting were 7's, and
+    no push met the paused server). Returns the version the trainer held when paused."""
+    deadline = time.monotonic() + 60
+    while True:
+        os.kill(pids["trainer"], signal.SIGSTOP)
+        held, served = watch.poll(), _served_version(server_url)
+        if served <= held:
+            break
+        os.kill(pids["trainer"], signal.SIGCONT)  # let it publish what it pushed, then again
+        while watch.poll() < served:
+            assert time.monotonic() < deadline, f"version {served} was pushed but never published"
     try:
-        held = watch.poll()
         batches = topic(RUN, "training-batches")
         offsets = watch.versions[held]["consumed_offsets"]
         consumed = {o["partition"]: o["offset"] for o in offsets if o["topic"] == batches}
-        deadline = time.monotonic() + 60
         while _pending_samples(bootstrap, decoder, consumed) < STEP:
             assert time.monotonic() < deadline, "no step's samples came for the paused trainer"
             time.sleep(0.5)
@@ -193,7 +209,8 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             version = watch.poll()
             if plan and version >= plan[0][0]:
                 _at, action = plan.pop(0)
-                pids = json.loads((run_dir / "processes.json").read_text())["pids"]
+                processes = json.loads((run_dir / "processes.json").read_text())
+                pids = processes["pids"]
                 if action == "bounce":
                     broker.down(quiet=True)
                     time.sleep(1)
@@ -201,7 +218,9 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 elif action == "drained server-0":
                     version = _drain_then_kill(pids, watch)
                 elif action == "paused server-0":
-                    version = _pause_server_under_a_push(pids, watch, bootstrap, decoder)
+                    version = _pause_server_under_a_push(
+                        pids, watch, bootstrap, decoder, processes["servers"][0]
+                    )
                 else:
                     os.kill(pids[action], signal.SIGKILL)
                 done.append(f"{action}@{version}")
