@@ -346,14 +346,13 @@ def add_hanging_arguments(p: argparse.ArgumentParser) -> None:
 
 def main_hanging(args: argparse.Namespace) -> int:
     """Exit 0: none hanging (or all aborted with --abort); 1: some hang (or an abort failed)."""
-    from stream_rl.kafka.hanging import MIN_AGE_S, find_hanging
+    from stream_rl.kafka.hanging import MIN_AGE_S, find_hanging, run_scope
 
     names, bootstrap, kcfg = _names(args)
     min_age = MIN_AGE_S if args.min_age is None else args.min_age
     if min_age < 0:
         raise StreamRLError(f"--min-age {min_age:g}: must be >= 0")
-    own = f"{names.prefix}.{names.run}."
-    topics = [name for name, _parts, _conf in names.all_topics() if name.startswith(own)]
+    topics, own = run_scope(names)
     found = find_hanging(
         kcfg, bootstrap, topics, transactional_prefix=own, abort=args.abort, min_age_s=min_age
     )

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from stream_rl.config import KafkaConfig
 from stream_rl.kafka.broker import DEPLOY_DIR
 from stream_rl.kafka.java_admin import run_program
+from stream_rl.kafka.topics import TopicNames
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,12 @@ MIN_AGE_S = 30.0
 CHECK_AFTER_S = 40.0
 EVERY_S = 30.0
 OFFSETS_TOPIC = "__consumer_offsets"
+
+
+def run_scope(names: TopicNames) -> tuple[list[str], str]:
+    """(the run's own topics, its transactional-id prefix): what `find_hanging` looks at."""
+    own = f"{names.prefix}.{names.run}."
+    return [name for name, _parts, _conf in names.all_topics() if name.startswith(own)], own
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from stream_rl.config import RunConfig
 from stream_rl.contracts import WeightVersionKind
 from stream_rl.errors import StreamRLError
-from stream_rl.kafka.hanging import HangingWatch
+from stream_rl.kafka.hanging import HangingWatch, run_scope
 from stream_rl.kafka.stage import StopFlag
 from stream_rl.run.children import FORK_SERVER, Child, child_env, child_index, die_with_parent
 from stream_rl.run.watchdog import Watchdog
@@ -227,8 +227,7 @@ class Supervision:
         from stream_rl.kafka.topics import TopicNames
 
         names = TopicNames(run=self.config.run, prefix=self.config.kafka.prefix)
-        own = f"{self.config.kafka.prefix}.{self.config.run}."
-        topics = [name for name, _parts, _conf in names.all_topics() if name.startswith(own)]
+        topics, own = run_scope(names)
 
         def say(line: str) -> None:
             print(f"\n{line}", file=sys.stderr)
