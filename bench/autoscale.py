@@ -39,7 +39,8 @@ from typing import Any
 
 import yaml
 
-from stream_rl.kafka.broker import LocalBroker, free_port
+from stream_rl.common.ports import free_port
+from stream_rl.kafka.broker import LocalBroker
 from stream_rl.observe.report import load_timeline
 
 RESULTS = Path(__file__).parent / "results"

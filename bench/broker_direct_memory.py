@@ -21,7 +21,8 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ["JAVA_TOOL_OPTIONS"] = " ".join(["-XX:NativeMemoryTracking=summary", *sys.argv[1:]])
-from stream_rl.kafka.broker import LocalBroker, free_port
+from stream_rl.common.ports import free_port
+from stream_rl.kafka.broker import LocalBroker
 
 d = Path(tempfile.mkdtemp(prefix="broker-direct-"))
 b = LocalBroker(d, port=free_port())

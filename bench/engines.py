@@ -35,11 +35,11 @@ from typing import Any
 import httpx
 import torch
 
+from stream_rl.common.ports import free_port
 from stream_rl.config import SamplingConfig, load_config
 from stream_rl.inference.clients import make_client
 from stream_rl.inference.launching import launch_for
 from stream_rl.inference.model_maker import make_model
-from stream_rl.kafka.broker import free_port
 from stream_rl.weights import ServerEndpoint, WeightSender
 from stream_rl.weights.adapters.vllm import VLLMWeightSender
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import confluent_kafka as ck
 
-from stream_rl.kafka.broker import free_port
+from stream_rl.common.ports import free_port
 from stream_rl.kafka.cluster import LocalCluster
 from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.topics import TRAINING_BATCHES, TopicNames, apply_topics

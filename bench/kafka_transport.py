@@ -27,9 +27,10 @@ import time
 import uuid
 from pathlib import Path
 
+from stream_rl.common.ports import free_port
 from stream_rl.contracts import Rollout
 from stream_rl.kafka import broker as broker_module
-from stream_rl.kafka.broker import LocalBroker, free_port
+from stream_rl.kafka.broker import LocalBroker
 from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.serde import default_serde
 

@@ -68,7 +68,7 @@ from nemesis_plot import plot  # noqa: E402  (this folder's)
 from outside import Decoder, VersionWatch  # noqa: E402
 from soak import _measure, _tree, fit  # noqa: E402
 
-from stream_rl.kafka.broker import free_port  # noqa: E402
+from stream_rl.common.ports import free_port  # noqa: E402
 from stream_rl.kafka.cluster import LocalCluster  # noqa: E402
 
 GROUP, STEP, MAX_LAG = 4, 16, 1

@@ -62,8 +62,9 @@ from pvc_plots import plot, plot_occupancy
 from run_probe import RunProbe, analyze, fmt, machine_busy_s
 from run_watch import completion_lengths, target_reached
 
+from stream_rl.common.ports import free_port
 from stream_rl.config import load_config
-from stream_rl.kafka.broker import LocalBroker, free_port
+from stream_rl.kafka.broker import LocalBroker
 from stream_rl.observe.report import load_timeline
 
 RESULTS = Path(__file__).parent / "results"

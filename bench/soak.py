@@ -42,7 +42,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from stream_rl.kafka.broker import LocalBroker, free_port  # noqa: E402
+from stream_rl.common.ports import free_port  # noqa: E402
+from stream_rl.kafka.broker import LocalBroker  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -27,8 +27,9 @@ from typing import Any
 
 import yaml
 
+from stream_rl.common.ports import free_port
 from stream_rl.inference.model_maker import make_model
-from stream_rl.kafka.broker import LocalBroker, free_port
+from stream_rl.kafka.broker import LocalBroker
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "stage_start.json"

@@ -24,7 +24,8 @@ import time
 import uuid
 from pathlib import Path
 
-from stream_rl.kafka.broker import LocalBroker, free_port, jars_dir
+from stream_rl.common.ports import free_port
+from stream_rl.kafka.broker import LocalBroker, jars_dir
 from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.java_admin import program_command
 from stream_rl.kafka.members import PROGRAM

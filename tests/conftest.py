@@ -49,7 +49,8 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     import tempfile
 
-    from stream_rl.kafka.broker import LocalBroker, free_port
+    from stream_rl.common.ports import free_port
+    from stream_rl.kafka.broker import LocalBroker
 
     data = Path(tempfile.mkdtemp(prefix="stream-rl-test-kafka-"))
     broker = LocalBroker(data, port=free_port())
@@ -133,7 +134,8 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if existing:
         yield existing
         return
-    from stream_rl.kafka.broker import LocalBroker, free_port
+    from stream_rl.common.ports import free_port
+    from stream_rl.kafka.broker import LocalBroker
 
     broker = LocalBroker(tmp_path_factory.mktemp("kafka"), port=free_port())
     state = broker.up(quiet=True)

@@ -38,7 +38,7 @@ LEASE_S = 6.0
 
 
 def free_port() -> int:
-    from stream_rl.kafka.broker import free_port as _free_port
+    from stream_rl.common.ports import free_port as _free_port
 
     return _free_port()
 

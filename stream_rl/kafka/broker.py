@@ -15,16 +15,15 @@ import base64
 import contextlib
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from stream_rl.common.ports import free_port, port_frees, port_is_free
 from stream_rl.errors import BrokerError
 from stream_rl.kafka.class_archive import ClassArchive
 from stream_rl.kafka.listener import Listener, SaslSslListener
@@ -122,62 +121,6 @@ def fetch_jars(version: str = KAFKA_VERSION, quiet: bool = False) -> Path:
     tmp.rename(lib)
     (lib / ".complete").touch()
     return lib
-
-
-def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def _port_frees(port: int, host: str, within_s: float = 5.0) -> bool:
-    """Whether `port` is free now or within `within_s`: a killed JVM counts as gone (its main
-    thread a zombie) while its other threads still hold its sockets, ~0.1 s (a restart right after
-    a kill -9 found the port taken)."""
-    deadline = time.monotonic() + within_s
-    while not port_is_free(port, host):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-LISTEN_PORTS_FROM = 10000
-
-
-def _listen_range() -> tuple[int, int] | None:
-    """Ports below the kernel's ephemeral range (Linux: 32768-60999 by default), None if unknown."""
-    try:
-        low = int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return (LISTEN_PORTS_FROM, low - 1) if low - 1 > LISTEN_PORTS_FROM + 1000 else None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now, for a process (this one or a child) to listen on a moment later. Taken at
-    random below the kernel's ephemeral range where there is one: a port the kernel hands out
-    (bind to 0) can be taken meanwhile as the local port of any outgoing connection, and a run's
-    or the test suite's Kafka clients open those all the time (seen: a server's `cannot bind`)."""
-    span = _listen_range()
-    if span is not None:
-        rng = random.SystemRandom()
-        for _ in range(64):
-            port = rng.randint(*span)
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                try:
-                    s.bind((host, port))
-                except OSError:
-                    continue
-                return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def pid_alive(pid: int) -> bool:
@@ -357,7 +300,7 @@ class LocalBroker:
             )
         fetch_jars(self.version, quiet=quiet)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        if not _port_frees(self.port, self.host):
+        if not port_frees(self.port, self.host):
             raise BrokerError(f"port {self.port} is taken by another process; choose another with --port")
         for port, what in self.listener.extra_ports() if self.listener is not None else ():
             if not port_is_free(port, self.host):

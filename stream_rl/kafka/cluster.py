@@ -19,8 +19,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from stream_rl.common.ports import free_port, port_is_free
 from stream_rl.errors import BrokerError
-from stream_rl.kafka.broker import READY_TIMEOUT_S, LocalBroker, Quorum, _answers, free_port, port_is_free
+from stream_rl.kafka.broker import READY_TIMEOUT_S, LocalBroker, Quorum, _answers
 from stream_rl.kafka.secure import SecureListeners, secure_listeners
 
 STATE = "cluster.json"

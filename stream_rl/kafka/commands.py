@@ -115,7 +115,7 @@ def _up_secure(args: argparse.Namespace) -> int:
     """`kafka up --secure`: start (or reuse) the secured broker, enroll the run, print its files."""
     from pathlib import Path
 
-    from stream_rl.kafka.broker import free_port
+    from stream_rl.common.ports import free_port
     from stream_rl.kafka.cluster import LocalCluster, cluster_layout
     from stream_rl.kafka.secure import SecureListeners, SecurePorts, enroll, secure_dir, secure_listeners
 

@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from stream_rl.common import heap
+from stream_rl.common.ports import free_port
 from stream_rl.config import RunConfig, dump_config, load_config
 from stream_rl.contracts import WeightVersionKind
 from stream_rl.inference.launching import check_engine, launch_for
-from stream_rl.kafka.broker import LocalBroker, free_port
+from stream_rl.kafka.broker import LocalBroker
 from stream_rl.kafka.stage import StopFlag
 from stream_rl.run.autoscale import autoscaler_for
 from stream_rl.run.children import Child, child_env, die_with_parent, run_admin_token, run_api_key

@@ -170,7 +170,7 @@ class Scaling:
                         "server=N: this run's servers are inference.servers, not launched: add others "
                         "with `stream-rl servers join`"
                     )
-                from stream_rl.kafka.broker import port_is_free
+                from stream_rl.common.ports import port_is_free
 
                 have = self._replicas("server")
                 start = _index(have[-1]) + 1 if have else 0

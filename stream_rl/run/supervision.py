@@ -143,7 +143,7 @@ class Supervision:
 
     def check_server_ports(self) -> None:
         """Fail before starting anything if a launched server's port is taken (another run?)."""
-        from stream_rl.kafka.broker import port_is_free
+        from stream_rl.common.ports import port_is_free
 
         inf = self.config.inference
         for child in self.children:

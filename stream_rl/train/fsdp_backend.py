@@ -233,7 +233,7 @@ def init_distributed(device: str) -> None:
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
-        from stream_rl.kafka.broker import free_port
+        from stream_rl.common.ports import free_port
 
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")

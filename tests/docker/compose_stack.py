@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from stream_rl.common.ports import free_port
 from stream_rl.config import KafkaConfig, load_config
 from stream_rl.contracts import Rollout, ScoredRollout, TrainingBatch
-from stream_rl.kafka.broker import free_port
 from stream_rl.kafka.compose_secrets import write_compose_secrets
 from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.lag import partition_lags

@@ -300,19 +300,29 @@ def _record_secrets(stack: Compose, out: DemoRun) -> None:
 def _secrets_inside(stack: Compose, name: str) -> set[str] | None:
     """`ls /run/secrets` in a running container; None when it stopped meanwhile (the trainer can
     finish its steps between the listing and the exec: seen in a clean-clone run, "Container ...
-    is not running")."""
-    listed = subprocess.run(
-        ["docker", "exec", name, "ls", "-A", "/run/secrets"],
-        env=stack.env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if listed.returncode == 0:
-        return set(listed.stdout.split())
-    state = stack.docker("inspect", "--format", "{{.State.Status}}", name).strip()
-    assert state != "running", f"docker exec {name} ls /run/secrets: {listed.stderr.strip()}"
-    return None
+    is not running"). An exec into a container that is stopping fails with nothing on stderr while
+    `inspect` still says running (seen in a suite run): it is asked again until it answers or the
+    container is gone, and fails only if neither comes within 60 s."""
+    failures: list[str] = []
+
+    def answered() -> tuple[set[str] | None] | None:
+        listed = subprocess.run(
+            ["docker", "exec", name, "ls", "-A", "/run/secrets"],
+            env=stack.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if listed.returncode == 0:
+            return (set(listed.stdout.split()),)
+        failures.append(f"exit {listed.returncode}: {listed.stderr.strip()!r}")
+        state = stack.docker("inspect", "--format", "{{.State.Status}}", name).strip()
+        return None if state == "running" else (None,)
+
+    try:
+        return wait_for(f"docker exec {name} ls /run/secrets", answered, timeout=60, every=1)[0]
+    except AssertionError as e:
+        raise AssertionError(f"{e}; while the container ran: {failures[-3:]}") from None
 
 
 def _actor_writes_training_batches(stack: Compose) -> str:

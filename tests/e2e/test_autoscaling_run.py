@@ -41,8 +41,8 @@ def decisions(path: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def scaled(tmp_path_factory: pytest.TempPathFactory, kafka_bootstrap: str) -> dict[str, Any]:
+    from stream_rl.common.ports import free_port
     from stream_rl.inference.model_maker import make_model
-    from stream_rl.kafka.broker import free_port
 
     tmp = tmp_path_factory.mktemp("autoscale")
     model = make_model(tmp / "tiny", "tiny", seed=0)

@@ -160,8 +160,9 @@ def _up(broker: Any) -> None:
 
 @pytest.fixture(scope="module")
 def chaos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from stream_rl.common.ports import free_port
     from stream_rl.inference.model_maker import make_model
-    from stream_rl.kafka.broker import LocalBroker, free_port
+    from stream_rl.kafka.broker import LocalBroker
 
     tmp = tmp_path_factory.mktemp("chaos")
     model = make_model(tmp / "tiny", "tiny", seed=0)

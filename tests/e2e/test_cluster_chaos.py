@@ -48,8 +48,8 @@ def _leader(admin: AdminClient, name: str) -> int:
 
 @pytest.fixture(scope="module")
 def cluster_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from stream_rl.common.ports import free_port
     from stream_rl.inference.model_maker import make_model
-    from stream_rl.kafka.broker import free_port
     from stream_rl.kafka.cluster import LocalCluster
 
     tmp = tmp_path_factory.mktemp("cluster-chaos")

@@ -79,8 +79,8 @@ class Steps:
 
 @pytest.fixture(scope="module")
 def elastic(tmp_path_factory: pytest.TempPathFactory, kafka_bootstrap: str) -> dict[str, Any]:
+    from stream_rl.common.ports import free_port
     from stream_rl.inference.model_maker import make_model
-    from stream_rl.kafka.broker import free_port
 
     tmp = tmp_path_factory.mktemp("elastic")
     model = make_model(tmp / "tiny", "tiny", seed=0)

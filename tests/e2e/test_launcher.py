@@ -55,7 +55,7 @@ def write_config(tmp_path: Path, model: Path, bootstrap: str, run: str, **extra:
 
 
 def _free_port() -> int:
-    from stream_rl.kafka.broker import free_port
+    from stream_rl.common.ports import free_port
 
     return free_port()
 

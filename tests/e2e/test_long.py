@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from stream_rl.common.ports import free_port
 from stream_rl.config import load_config
-from stream_rl.kafka.broker import free_port
 from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.topics import TopicNames
 from stream_rl.train.lineage import read_weight_versions

@@ -116,9 +116,10 @@ a step that does not recover prints their lines (see `stalled`)."""
 
 @pytest.fixture(scope="module")
 def nemesis_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from stream_rl.common.ports import free_port
     from stream_rl.errors import BrokerError
     from stream_rl.inference.model_maker import make_model
-    from stream_rl.kafka.broker import LocalBroker, free_port
+    from stream_rl.kafka.broker import LocalBroker
 
     tmp = tmp_path_factory.mktemp("nemesis")
     model = make_model(tmp / "tiny", "tiny", seed=0)

@@ -51,7 +51,7 @@ class Run:
 
 
 def free_port() -> int:
-    from stream_rl.kafka.broker import free_port as fp
+    from stream_rl.common.ports import free_port as fp
 
     return fp()
 

@@ -17,11 +17,12 @@ from fakes.records import make_scored, make_weight_version
 from keystores import make_keystore
 
 from stream_rl.cli import main as cli_main
+from stream_rl.common.ports import free_port
 from stream_rl.config import RunConfig, load_config
 from stream_rl.errors import KafkaError
 from stream_rl.kafka.acl_admin import KafkaAcls
 from stream_rl.kafka.acls import ROLES, Acl, in_scope, plan_acls
-from stream_rl.kafka.broker import LocalBroker, free_port
+from stream_rl.kafka.broker import LocalBroker
 from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.listener import SaslSslListener
 from stream_rl.kafka.reader import read_to_end

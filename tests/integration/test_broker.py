@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from fakes.records import make_problem
 
+from stream_rl.common.ports import free_port
 from stream_rl.errors import BrokerError
-from stream_rl.kafka.broker import LocalBroker, free_port
+from stream_rl.kafka.broker import LocalBroker
 from stream_rl.kafka.class_archive import ClassArchive
 from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.serde import default_serde

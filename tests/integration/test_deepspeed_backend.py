@@ -27,8 +27,8 @@ import yaml
 from fakes.training import make_batches, make_tiny_model, produce_batches, stage_config
 from safetensors.torch import load_file
 
+from stream_rl.common.ports import free_port
 from stream_rl.contracts import TrainingBatch, WeightVersion
-from stream_rl.kafka.broker import free_port
 from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.topics import TopicNames, apply_topics
 from stream_rl.stages import trainer as trainer_stage

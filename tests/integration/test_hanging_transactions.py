@@ -20,7 +20,8 @@ import pytest
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from stream_rl.cli import main as cli_main
-from stream_rl.kafka.broker import LocalBroker, free_port
+from stream_rl.common.ports import free_port
+from stream_rl.kafka.broker import LocalBroker
 from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.topics import SCORED, TopicNames, apply_topics
 

@@ -13,9 +13,10 @@ import pytest
 from keystores import make_keystore
 
 from stream_rl.cli import main as cli_main
+from stream_rl.common.ports import free_port
 from stream_rl.config import load_config
 from stream_rl.errors import KafkaError
-from stream_rl.kafka.broker import LocalBroker, free_port
+from stream_rl.kafka.broker import LocalBroker
 from stream_rl.kafka.confluent import KafkaTransport, check_reachable
 from stream_rl.kafka.listener import SaslSslListener
 from stream_rl.kafka.topics import PROBLEMS, TopicNames

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from stream_rl.kafka.broker import free_port
+from stream_rl.common.ports import free_port
 from stream_rl.kafka.cluster import LocalCluster, cluster_layout
 from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.topics import TRAINING_BATCHES, TopicNames, apply_topics

@@ -22,9 +22,10 @@ import pytest
 import yaml
 
 from stream_rl.cli import main as cli_main
+from stream_rl.common.ports import free_port, port_is_free
 from stream_rl.config import KafkaConfig, load_config
 from stream_rl.errors import KafkaError
-from stream_rl.kafka.broker import LocalBroker, free_port, port_is_free
+from stream_rl.kafka.broker import LocalBroker
 from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.probe import check_reachable
 from stream_rl.kafka.secure import ENROLLED, Pki, secure_listeners

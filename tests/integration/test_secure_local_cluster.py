@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from stream_rl.cli import main as cli_main
+from stream_rl.common.ports import free_port, port_is_free
 from stream_rl.config import load_config
 from stream_rl.errors import KafkaError
-from stream_rl.kafka.broker import free_port, port_is_free
 from stream_rl.kafka.cluster import LocalCluster
 from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.topics import RAW_ROLLOUTS, TRAINING_BATCHES, TopicNames, apply_topics

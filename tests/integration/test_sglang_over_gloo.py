@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from stream_rl.kafka.broker import free_port
+from stream_rl.common.ports import free_port
 from stream_rl.weights import ServerEndpoint
 from stream_rl.weights.adapters.sglang import SGLangWeightSender
 from stream_rl.weights.adapters.sglang_group import TorchCollectives

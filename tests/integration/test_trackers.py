@@ -150,7 +150,7 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     import httpx
 
     tmp = tmp_path_factory.mktemp("mlflow")
-    from stream_rl.kafka.broker import free_port
+    from stream_rl.common.ports import free_port
 
     port = free_port()
     with open(tmp / "server.log", "wb") as log:  # the server keeps its own copy of the descriptor

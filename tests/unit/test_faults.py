@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import signal
 from pathlib import Path
 
@@ -214,9 +215,9 @@ def test_the_watchdog_names_the_stuck_stage() -> None:
 def test_unknown_task_missing_model_and_unreachable_kafka_are_one_line_errors(
     tmp_path: Path, model_dir: Path
 ) -> None:
+    from stream_rl.common.ports import free_port
     from stream_rl.config import RunConfig
     from stream_rl.errors import StreamRLError
-    from stream_rl.kafka.broker import free_port
     from stream_rl.kafka.confluent import check_reachable
     from stream_rl.kafka.stage import StopFlag
     from stream_rl.run.launch import Launcher
@@ -432,9 +433,9 @@ def test_free_ports_lie_below_the_ephemeral_range_and_are_free() -> None:
     # there could be taken between the pick and the bind (a server's `cannot bind`, seen in CI).
     import socket
 
-    from stream_rl.kafka.broker import _listen_range, free_port
+    from stream_rl.common.ports import free_port, listen_range
 
-    span = _listen_range()
+    span = listen_range()
     assert span is not None  # Linux: /proc/sys/net/ipv4/ip_local_port_range
     for _ in range(20):
         port = free_port()
@@ -443,22 +444,59 @@ def test_free_ports_lie_below_the_ephemeral_range_and_are_free() -> None:
             s.bind(("127.0.0.1", port))
 
 
+def test_a_port_is_never_handed_out_twice_by_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launcher asks for its stages' metrics ports in one go, before any stage binds its own: two
+    draws of one port met in a clean-clone run (actor-0 and actor-1 both given 13497). From a span
+    of 4 ports, 4 draws cover it 10 times over (by chance: (4!/4^4)^10, 1e-10), and a fifth is
+    refused in one line."""
+    from stream_rl.common import ports
+
+    low = 20000 + os.getpid() % 5000
+    monkeypatch.setattr(ports, "listen_range", lambda: (low, low + 3))
+    monkeypatch.setattr(ports.socket, "socket", _BindsAnything)
+    for _ in range(10):
+        monkeypatch.setattr(ports, "_GIVEN", ports.collections.deque(maxlen=4096))
+        assert sorted(ports.free_port() for _ in range(4)) == list(range(low, low + 4))
+    with pytest.raises(OSError, match="has not handed out already"):
+        ports.free_port()
+
+
+class _BindsAnything:
+    """A socket whose bind always succeeds (the ports above may be in use on a shared machine), and
+    whose bind to 0 gets a port already handed out (the fallback's draw)."""
+
+    def __init__(self, *args: object) -> None:
+        self.port = 0
+
+    def __enter__(self) -> _BindsAnything:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def bind(self, address: tuple[str, int]) -> None:
+        self.port = address[1] or 20000 + os.getpid() % 5000
+
+    def getsockname(self) -> tuple[str, int]:
+        return ("127.0.0.1", self.port)
+
+
 def test_a_port_freed_a_moment_later_is_waited_for_and_one_kept_is_refused() -> None:
     """LocalBroker.up's check of its port: a JVM killed with -9 counts as gone (its main thread a
     zombie) while its other threads still hold its listening socket for ~0.1 s."""
     import socket
     import threading
 
-    from stream_rl.kafka.broker import _port_frees, free_port
+    from stream_rl.common.ports import free_port, port_frees
 
     port = free_port()
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", port))
     listener.listen()
-    assert not _port_frees(port, "127.0.0.1", within_s=0.3)  # kept: refused once the wait is over
+    assert not port_frees(port, "127.0.0.1", within_s=0.3)  # kept: refused once the wait is over
     closing = threading.Timer(0.3, listener.close)
     closing.start()
-    assert _port_frees(port, "127.0.0.1", within_s=10.0)  # freed meanwhile
+    assert port_frees(port, "127.0.0.1", within_s=10.0)  # freed meanwhile
     closing.join()
 
 

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from stream_rl.common.ports import free_port
 from stream_rl.contracts import WeightVersion, WeightVersionKind
-from stream_rl.kafka.broker import free_port
 from stream_rl.observe.status import StatusView
 
 pytestmark = pytest.mark.unit

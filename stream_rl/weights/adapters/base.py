@@ -28,9 +28,9 @@ from typing import Any
 import httpx
 import torch
 
+from stream_rl.common.ports import free_port
 from stream_rl.contracts.core import INCOMPLETE
 from stream_rl.errors import WeightSyncError
-from stream_rl.kafka.broker import free_port
 from stream_rl.weights.sender import PushReport
 from stream_rl.weights.server_client import ServerEndpoint
 
