@@ -78,6 +78,7 @@ _FIRST = (
     "tests/e2e/test_chaos.py",
     "tests/e2e/test_nemesis.py",
     "tests/docker/",
+    "tests/integration/test_gpu_extra.py",
     "tests/integration/test_deepspeed_backend.py",
     "tests/e2e/test_cluster_chaos.py",
     "tests/integration/test_fsdp2_backend.py",
