@@ -49,18 +49,11 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from stream_rl.common import heap
 from stream_rl.common.metrics import RECORDS_IN, UP
 from stream_rl.config import RunConfig
-from stream_rl.contracts import (
-    EvalResult,
-    PartitionOffset,
-    TrainingBatch,
-    WeightVersion,
-    WeightVersionKind,
-)
+from stream_rl.contracts import EvalResult, PartitionOffset, TrainingBatch, WeightVersion, WeightVersionKind
 from stream_rl.errors import ConfigError, ContractError, KafkaError
 from stream_rl.kafka.dead_letters import DeadLetters
 from stream_rl.kafka.follower import RecordFollower
@@ -82,18 +75,11 @@ from stream_rl.train.checkpoint import (
 )
 from stream_rl.train.dedupe import TrainedIds
 from stream_rl.train.lineage import by_version, read_weight_versions
-from stream_rl.train.push import (
-    PushOutcome,
-    WeightPusher,
-    make_sender,
-)
+from stream_rl.train.push import PushOutcome, WeightPusher, make_sender
 from stream_rl.train.record import write_run_record
 from stream_rl.train.server_sync import ServerSync
 from stream_rl.train.step import TrainerBackend
 from stream_rl.train.step_runner import StepRunner, unusable_reason
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 
