@@ -56,13 +56,17 @@ def read_to_end(
         consumer.close()
 
 
+class Unsettled(KafkaError):
+    """A transaction in the log stayed undecided past the bound (`settled`)."""
+
+
 def settled(transport: Transport, topic: str, partitions: list[int] | None, timeout_s: float) -> None:
     """Wait until each partition's last stable offset (the end a read_committed reader is given)
     reaches its log's end as it is now, i.e. every transaction already in the log is decided and
     its markers written. A transactional commit returns once the coordinator has logged the
     decision; the markers reach the partitions after that, so a read right after another
     producer's commit can stop short of that commit's records. Raises KafkaError naming the
-    partitions after `timeout_s` (a transaction held open that long)."""
+    partitions after `timeout_s` (a transaction held open that long): `Unsettled`."""
     ends = transport.log_ends(topic)
     wanted = {p: ends[p] for p in (partitions if partitions is not None else ends)}
     deadline = time.monotonic() + timeout_s
@@ -72,7 +76,7 @@ def settled(transport: Transport, topic: str, partitions: list[int] | None, time
         if not short:
             return
         if time.monotonic() > deadline:
-            raise KafkaError(
+            raise Unsettled(
                 f"{topic}: a transaction is still undecided after {timeout_s:g}s (partition: "
                 f"(last stable offset, log end) {short}); another producer holds it open"
             )

@@ -43,10 +43,11 @@ from prometheus_client import Counter
 from stream_rl.common.metrics import DUPLICATES
 from stream_rl.config import RunConfig
 from stream_rl.contracts import PartialGroup, PendingSample, ScoredRollout, TrainingSample, now_ms
-from stream_rl.errors import ConfigError
+from stream_rl.errors import ConfigError, KafkaError
 from stream_rl.kafka.dead_letters import DeadLetters
 from stream_rl.kafka.follower import VersionFollower
-from stream_rl.kafka.reader import read_to_end
+from stream_rl.kafka.hanging import CHECK_AFTER_S
+from stream_rl.kafka.reader import Unsettled, read_to_end
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.stage import Incoming, Output, Reject, StageLoop, StageStats, StopFlag
 from stream_rl.kafka.topics import SCORED, TRAINING_BATCHES, TopicNames
@@ -61,6 +62,9 @@ STATE = "preprocessor-state"
 CONSUMES = SCORED
 PRODUCES = (TRAINING_BATCHES, STATE)
 
+REBUILD_SETTLE_S = 60.0
+"""How long a rebuild waits for the state partition's transactions to be decided (a live producer's
+is decided within its transaction timeout, 15 s); then the stage exits and is restarted."""
 BACKLOG_CHECK_S = 1.0
 """How often the backlog is re-read while within the bound (each check is broker requests)."""
 GROUPS = Counter("stream_rl_preprocessor_groups", "Complete groups by outcome", ["outcome"])
@@ -118,19 +122,33 @@ class Preprocessor:
 
     # -- partition assignment ------------------------------------------------------------------
     def rebuild(self, partition: int) -> PartitionGroups:
+        """The partition's open groups and remembered closed ones, from its state topic. The read
+        waits first until every transaction in the state partition is decided (`REBUILD_SETTLE_S`):
+        a partition taken over from another instance would otherwise miss that instance's last
+        commit if its markers are not yet written (a group's last samples, a closed group's marker).
+        A transaction no coordinator will ever decide (a hanging one: docs/faults.md) is aborted by
+        the launcher; past the bound this is one line naming `stream-rl hanging`."""
         groups = PartitionGroups(partition, self.cfg.dedupe_window)
         n = 0
-        # Not settled first (`read_to_end(settle_s=...)`): that waited on this instance's own
-        # transaction left undecided by a broker restart, which only this instance can finish,
-        # and stalled the run for good (docs/faults.md). A partition taken over from another
-        # instance can still miss that instance's last commit if its markers are not yet written.
-        for msg in read_to_end(
-            self.transport, self.state_topic, [partition], client_id=f"{self.producer_id}-state"
-        ):
-            key = (msg.key or b"").decode()
-            record = None if msg.value is None else self.serde.decode(msg.value, PartialGroup)
-            groups.restore(key, record, self.serde)
-            n += 1
+        try:
+            for msg in read_to_end(
+                self.transport,
+                self.state_topic,
+                [partition],
+                client_id=f"{self.producer_id}-state",
+                settle_s=REBUILD_SETTLE_S,
+            ):
+                key = (msg.key or b"").decode()
+                record = None if msg.value is None else self.serde.decode(msg.value, PartialGroup)
+                groups.restore(key, record, self.serde)
+                n += 1
+        except Unsettled as exc:
+            raise KafkaError(
+                f"{self.producer_id}: partition {partition}'s state cannot be rebuilt: {exc}. If no "
+                "producer holds it (a hanging transaction, KIP-664), `stream-rl hanging --run "
+                f"{self.config.run} --config <the run's config> --abort` ends it; the launcher "
+                f"does so itself after {CHECK_AFTER_S:.0f}s without a new weight version"
+            ) from exc
         log.info(
             "%s: partition %d: %d open groups, %d closed remembered (%d state records read)",
             self.producer_id,

@@ -19,6 +19,12 @@ Faults (each `start()` injects it and returns evidence, `stop()` heals it and re
   byte, freed at the end; a broker that halted meanwhile (Kafka stops when its only log directory
   fails) is started again by `restart`, as its operator would; evidence: the bytes left (0), and
   whether the broker halted.
+- `LostTransactionLog`: a transaction of the nemesis's own left open on every partition of a
+  topic, the broker killed (SIGKILL) and started again without its transaction coordinator's log
+  (`__transaction_state-*` removed): the data loss that leaves a **hanging transaction** (KIP-664),
+  which no marker will ever end and every read_committed reader stops before, until something
+  aborts it (the launcher does: `stream_rl/kafka/hanging.py`); evidence: the logs removed, and
+  each partition's last stable offset below its log end after the restart.
 - `CpuLimit`: a broker's process moved into a cgroup limited to a fraction of one core (cgroup v2
   `cpu.max`, or v1 `cpu.cfs_quota_us` where only v1 is mounted), moved back at the end; evidence:
   the periods it was throttled in.
@@ -114,6 +120,13 @@ def child_pid(run_dir: Path, name: str, wait_s: float = 60.0) -> int:
 def proc_state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def dead(pid: int) -> bool:
+    try:
+        return proc_state(pid) == "Z"
+    except FileNotFoundError:
+        return True
 
 
 class Pause(Fault):
@@ -412,6 +425,89 @@ class DiskFull(Fault):
             started = time.monotonic()
             self.restart()
             out["restart_s"] = round(time.monotonic() - started, 1)
+        return out
+
+
+class LostTransactionLog(Fault):
+    """A transaction open on every partition of `topic` (one record each, a producer of the
+    nemesis's own with `transactional_id`), then the broker killed (`pid()`, SIGKILL) and its
+    transaction coordinator's log removed from `logs` (its `kraft-logs`); `restart()` at the end
+    starts it again without that log. No coordinator knows the transaction any more: it hangs."""
+
+    kind = "lost-txn-log"
+
+    def __init__(
+        self,
+        name: str,
+        bootstrap: str,
+        topic: str,
+        transactional_id: str,
+        pid: Callable[[], int],
+        logs: Path,
+        restart: Callable[[], None],
+    ) -> None:
+        super().__init__(name)
+        self.bootstrap, self.topic, self.transactional_id = bootstrap, topic, transactional_id
+        self.pid_of, self.logs, self.restart = pid, logs, restart
+        self.producer: Any = None
+
+    def _ends(self) -> dict[int, tuple[int, int]]:
+        """Each partition's (last stable offset, log end), once its leader answers (a restarted
+        broker answers UNKNOWN_LEADER_EPOCH until it has caught up with its metadata)."""
+        import confluent_kafka as ck
+        from confluent_kafka.admin import AdminClient, OffsetSpec
+
+        admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})
+        parts = admin.list_topics(self.topic, timeout=30).topics[self.topic].partitions
+        tps = [ck.TopicPartition(self.topic, p) for p in sorted(parts)]
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                ends = [
+                    {tp.partition: f.result().offset for tp, f in admin.list_offsets(
+                        {tp: OffsetSpec.latest() for tp in tps}, isolation_level=level, request_timeout=10
+                    ).items()}
+                    for level in (ck.IsolationLevel.READ_COMMITTED, ck.IsolationLevel.READ_UNCOMMITTED)
+                ]  # fmt: skip
+                return {p: (ends[0][p], ends[1][p]) for p in ends[1]}
+            except ck.KafkaException:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def start(self) -> Evidence:
+        import confluent_kafka as ck
+
+        producer = ck.Producer(
+            {"bootstrap.servers": self.bootstrap, "transactional.id": self.transactional_id, "log_level": 0}
+        )
+        producer.init_transactions(30)
+        producer.begin_transaction()
+        parts = sorted(producer.list_topics(self.topic, timeout=30).topics[self.topic].partitions)
+        for p in parts:
+            producer.produce(self.topic, b"never decided: the nemesis's hanging transaction", partition=p)
+        if producer.flush(30):
+            raise OSError("the nemesis's records were not acknowledged")
+        self.producer = producer  # kept, never ended: its coordinator is about to forget it
+        pid = self.pid_of()
+        os.kill(pid, signal.SIGKILL)
+        removed = sorted(path.name for path in self.logs.glob("__transaction_state-*"))
+        deadline = time.monotonic() + 30
+        while not dead(pid):  # gone, or a zombie: it writes nothing more
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the broker (pid {pid}) still runs 30 s after SIGKILL")
+            time.sleep(0.05)
+        for name in removed:
+            shutil.rmtree(self.logs / name)
+        return {"pid": pid, "open_partitions": len(parts), "removed": removed}
+
+    def stop(self) -> Evidence:
+        started = time.monotonic()
+        self.restart()
+        out: Evidence = {"restart_s": round(time.monotonic() - started, 1)}
+        ends = self._ends()
+        out["undecided"] = {p: list(e) for p, e in ends.items() if e[0] < e[1]}
+        out["partitions"] = len(ends)
         return out
 
 

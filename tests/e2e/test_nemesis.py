@@ -17,7 +17,10 @@ and slowed. The faults, each once its predecessor recovered (the next weight ver
 7. the inference server answering 500 to every call for 3-5 s;
 8. the server accepting calls and never answering them for 5-6 s (the actor's request timeout: 4 s);
 9. the broker's disk full to the last byte for 5-8 s (Kafka halts on its failed log directory;
-   restarted once space is freed).
+   restarted once space is freed);
+10. the broker killed while a transaction is open on every partition of `scored`, and started
+   again 2-4 s later without its transaction coordinator's log: a hanging transaction (KIP-664)
+   that stalls the run until the launcher aborts it.
 
 Judged by the outside view (`chaos_checks.py`): 0 lost, 0 trained twice, groups whole, versions
 0..N gapless, every trained sample within max_lag + 1, the run went on and stopped cleanly; each fault happened (its
@@ -45,6 +48,7 @@ from nemesis import (
     DiskFull,
     Events,
     Firewall,
+    LostTransactionLog,
     Nemesis,
     Netns,
     Partition,
@@ -88,6 +92,7 @@ PLAN_KINDS = (
     "server-500",
     "server-hang",
     "disk-full",
+    "lost-txn-log",
 )
 BOUNDS = {
     "pause": 30.0,
@@ -98,10 +103,13 @@ BOUNDS = {
     "server-500": 30.0,
     "server-hang": 30.0,
     "disk-full": 120.0,
+    "lost-txn-log": 150.0,
 }
 """Seconds from a fault's end to the next weight version, at most (a loaded 2-core machine; the
 measured figures are in docs/faults.md). The long pause's stage is fenced and restarted by the
-launcher; the full disk's broker halts and is started again (10-60 s here) before anything moves."""
+launcher; the full disk's broker halts and is started again (10-60 s here) before anything moves.
+The hanging transaction holds the run until the launcher looks (40 s without a version) and aborts
+it."""
 COORDINATORS_INFO = """\
 logger.txn.name = kafka.coordinator.transaction
 logger.txn.level = INFO
@@ -120,6 +128,7 @@ def nemesis_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from stream_rl.errors import BrokerError
     from stream_rl.inference.model_maker import make_model
     from stream_rl.kafka.broker import LocalBroker
+    from stream_rl.kafka.topics import SCORED, TopicNames
 
     tmp = tmp_path_factory.mktemp("nemesis")
     model = make_model(tmp / "tiny", "tiny", seed=0)
@@ -197,6 +206,7 @@ def nemesis_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 Step(ServerFault("server answers 500", switch, "500"), seeded_seconds(rng, 3, 5), BOUNDS["server-500"]),
                 Step(ServerFault("server hangs mid-call", switch, "hang"), seeded_seconds(rng, 5, 6), BOUNDS["server-hang"]),
                 Step(DiskFull("broker disk full", kafka_dir, lambda: broker.running() is not None, restart), seeded_seconds(rng, 5, 8), BOUNDS["disk-full"]),
+                Step(LostTransactionLog("broker restarted without its transaction log", bootstrap, TopicNames(run=RUN)[SCORED], f"stream-rl.{RUN}.nemesis", broker_pid, kafka_dir / "kraft-logs", restart), seeded_seconds(rng, 2, 4), BOUNDS["lost-txn-log"]),
             ]  # fmt: skip
             events = Events(tmp / "nemesis-events.jsonl")
             assert watch is not None
@@ -284,6 +294,8 @@ def test_each_fault_happened_and_the_run_recovered_within_its_bound(nemesis_run:
             assert end["calls_met"] > 0, (name, end)
         elif kind == "disk-full":
             assert start["bytes_free"] == 0, start
+        elif kind == "lost-txn-log":
+            assert start["removed"] and len(end["undecided"]) == end["partitions"] == 2, (start, end)
         assert result["recovered_s"] is not None and result["recovered_s"] <= bound, (name, result, bound)
 
 
@@ -294,6 +306,21 @@ def test_the_long_pause_outlasted_the_session_and_the_stage_came_back(nemesis_ru
     result = long[4]
     assert result["end"]["t"] - result["start"]["t"] >= LONG_PAUSE_S > OUTAGE_S
     assert "Consumer group session timed out" in nemesis_run["stage_logs"]["preprocessor-0"]
+
+
+def test_the_hanging_transaction_was_aborted_by_the_launcher(nemesis_run: dict[str, Any]) -> None:
+    """The lost transaction log left the nemesis's transaction hanging on both partitions of
+    `scored` (asserted above); the run went on because the launcher found and aborted it."""
+    scored = f"stream-rl.{RUN}.scored"
+    said = [
+        line
+        for line in nemesis_run["log"].splitlines()
+        if "a hanging transaction (KIP-664) held the run" in line
+    ]
+    for p in (0, 1):
+        assert any(
+            f"hanging {scored} {p} producer" in line and line.endswith(": aborted") for line in said
+        ), said
 
 
 def test_nothing_lost_under_the_nemesis(nemesis_run: dict[str, Any]) -> None:
