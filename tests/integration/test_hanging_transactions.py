@@ -56,13 +56,29 @@ def _ends(bootstrap: str, topic: str, partition: int) -> tuple[int, int]:
             time.sleep(0.2)
 
 
+# What a group coordinator answers while it is not yet (or no longer) the group's: a restarted
+# single node loads its coordinators, may resign them ~10 s later and load them again.
+COORDINATOR_MOVING = (
+    ck.KafkaError.NOT_COORDINATOR,
+    ck.KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    ck.KafkaError.COORDINATOR_NOT_AVAILABLE,
+)
+
+
 def _committed(bootstrap: str, group: str, topic: str) -> int | str:
-    """The group's committed offset on partition 0, as a read_committed client reads it."""
+    """The group's committed offset on partition 0, as a read_committed client reads it, once the
+    group's coordinator answers as such (asked again while it answers that it is not: a clean-clone
+    run read "Broker: Not coordinator" right after the restart)."""
     consumer = ck.Consumer({"bootstrap.servers": bootstrap, "group.id": group, "log_level": 0})
+    deadline = time.monotonic() + 60
     try:
-        return consumer.committed([ck.TopicPartition(topic, 0)], timeout=8)[0].offset
-    except ck.KafkaException as exc:
-        return exc.args[0].str()
+        while True:
+            try:
+                return consumer.committed([ck.TopicPartition(topic, 0)], timeout=8)[0].offset
+            except ck.KafkaException as exc:
+                if exc.args[0].code() not in COORDINATOR_MOVING or time.monotonic() > deadline:
+                    return exc.args[0].str()
+            time.sleep(0.2)
     finally:
         consumer.close()
 

@@ -17,6 +17,7 @@ from stream_rl import cli
 from stream_rl.config import dump_config, load_config
 from stream_rl.contracts import TrainingBatch
 from stream_rl.kafka.confluent import KafkaTransport
+from stream_rl.kafka.reader import settled
 from stream_rl.kafka.serde import default_serde
 from stream_rl.kafka.topics import SCORED, TRAINING_BATCHES, TopicNames
 from stream_rl.stages import trainer as trainer_stage
@@ -68,6 +69,9 @@ def test_replay_preprocessor_into_a_new_run_then_train_on_it(  # type: ignore[no
             producer.produce(run_names[SCORED], serde.encode(s), key=s.rollout.group_id)
         producer.commit_transaction()
     producer.close()
+    # The last commit's markers reach the partitions after it returns: the ends are read once they
+    # have (a loaded run read the committed ends 6 and 6 here, and 14 and 12 after the replay).
+    settled(kafka, run_names[SCORED], None, 60)
     before = own_topics(kafka, run_names)
 
     into = run_names.run + "mean"
