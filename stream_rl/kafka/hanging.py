@@ -9,20 +9,22 @@ restarted, read nothing more and the run stalled. Kafka's remedy is `kafka-trans
 find-hanging` and `abort`; librdkafka has no such calls, so this runs the broker's client jars on
 `deploy/kafka/AbortHangingTransactions.java` (`stream_rl/kafka/java_admin.py`; PLAINTEXT brokers).
 
-The launcher runs it (`HangingWatch`) once no weight version came for `CHECK_AFTER_S`, and again
-every `EVERY_S` while none comes; `stream-rl kafka hanging` runs it by hand. Only transactions
-whose last write is `MIN_AGE_S` old are touched: past the producers' transaction timeout (15 s,
-`stream_rl/kafka/producer.py`), after which a coordinator that knew the transaction would have
-aborted it itself. On `__consumer_offsets`, shared with every other group of the cluster, only a
-producer that also hangs on the run's own topics, or whose transactional id is the run's, is
-aborted.
+The launcher runs it (`HangingWatch`) once no weight version came for `CHECK_AFTER_S`, or once a
+partition of a stage's output kept its last stable offset short of its log end that long (a hang on
+one partition of several: the run goes on from the others until the held samples fill the actor's
+admission window), and again every `EVERY_S` while either holds; `stream-rl hanging` runs it by
+hand. Only transactions whose last write is `MIN_AGE_S` old are touched: past the producers'
+transaction timeout (15 s, `stream_rl/kafka/producer.py`), after which a coordinator that knew the
+transaction would have aborted it itself. On `__consumer_offsets`, shared with every other group of
+the cluster, only a producer that also hangs on the run's own topics, or whose transactional id is
+the run's, is aborted.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from stream_rl.config import KafkaConfig
@@ -44,6 +46,15 @@ def run_scope(names: TopicNames) -> tuple[list[str], str]:
     """(the run's own topics, its transactional-id prefix): what `find_hanging` looks at."""
     own = f"{names.prefix}.{names.run}."
     return [name for name, _parts, _conf in names.all_topics() if name.startswith(own)], own
+
+
+def held_back(
+    topic: str, stable: Mapping[int, tuple[int, int]], ends: Mapping[int, int]
+) -> dict[tuple[str, int], int]:
+    """The partitions of `topic` whose last stable offset (`stable`: watermarks as a read_committed
+    reader gets them) stops short of their log end: (topic, partition) -> that offset. A
+    transaction is open there, decided within its timeout (15 s) unless it hangs."""
+    return {(topic, p): lso for p, (_low, lso) in stable.items() if lso < ends.get(p, lso)}
 
 
 @dataclass
@@ -99,9 +110,11 @@ def find_hanging(
 
 
 class HangingWatch:
-    """The launcher's check: `tick(now, version)` with the run's latest weight version starts
-    `find_hanging(abort=True)` on a thread of its own once no new version came for
-    `CHECK_AFTER_S`, at most every `EVERY_S`; `say` gets a line for each hanging transaction."""
+    """The launcher's check: `tick(now, version, held)` with the run's latest weight version and the
+    partitions held back by an open transaction (`held_back`) starts `find_hanging(abort=True)` on
+    a thread of its own once no new version came for `CHECK_AFTER_S`, or a partition stayed held
+    at the same offset that long, at most every `EVERY_S`; `say` gets a line for each hanging
+    transaction."""
 
     def __init__(
         self,
@@ -110,34 +123,59 @@ class HangingWatch:
         topics: list[str],
         transactional_prefix: str,
         say: Callable[[str], None],
+        min_age_s: float = MIN_AGE_S,
     ) -> None:
         self.kafka, self.bootstrap, self.topics = kafka, bootstrap, topics
+        self.min_age_s = min_age_s
         self.prefix, self.say = transactional_prefix, say
         self._last = float("-inf")
         self._version: int | None = None
         self._since: float | None = None
+        self._held: dict[tuple[str, int], tuple[int, float]] = {}
+        """(topic, partition) -> (its last stable offset, since when it is held there)."""
+        self.reason = ""
         self._thread: threading.Thread | None = None
         self.checks = 0
         self._warned = False
         self.aborted: list[str] = []
 
-    def tick(self, now: float, version: int | None) -> None:
+    def tick(
+        self, now: float, version: int | None, held: Mapping[tuple[str, int], int] | None = None
+    ) -> None:
         if self._since is None or version != self._version:
             self._since, self._version = now, version
-        if now - self._since < CHECK_AFTER_S or now - self._last < EVERY_S:
+        if held is not None:
+            self._held = {
+                tp: prev if (prev := self._held.get(tp)) is not None and prev[0] == lso else (lso, now)
+                for tp, lso in held.items()
+            }
+        stuck = sorted(
+            f"{t} {p} at {lso}" for (t, p), (lso, since) in self._held.items() if now - since >= CHECK_AFTER_S
+        )
+        if now - self._last < EVERY_S or (now - self._since < CHECK_AFTER_S and not stuck):
             return
         if self._thread is not None and self._thread.is_alive():
             return
         self._last = now
+        self.reason = (
+            f"no weight version for {CHECK_AFTER_S:.0f}s"
+            if now - self._since >= CHECK_AFTER_S
+            else f"a last stable offset held for {CHECK_AFTER_S:.0f}s ({', '.join(stuck)})"
+        )
         self._thread = threading.Thread(target=self._check, name="hanging-transactions", daemon=True)
         self._thread.start()
 
     def _check(self) -> None:
         found = find_hanging(
-            self.kafka, self.bootstrap, self.topics, transactional_prefix=self.prefix, abort=True
+            self.kafka,
+            self.bootstrap,
+            self.topics,
+            transactional_prefix=self.prefix,
+            abort=True,
+            min_age_s=self.min_age_s,
         )
         self.checks += 1
-        log.debug("no weight version for %.0fs or more: %s", CHECK_AFTER_S, found.summary())
+        log.debug("%s: %s", self.reason, found.summary())
         for line in found.hanging:
             if line.endswith(": aborted"):
                 self.aborted.append(line)

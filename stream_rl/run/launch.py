@@ -317,7 +317,7 @@ class Launcher(Supervision, Scaling):
                 if autoscaler is not None:
                     autoscaler.tick()  # after the tick: it acts on the monitor's new sample
                 if monitor.sample is not None:
-                    hanging.tick(time.monotonic(), monitor.sample.version)
+                    hanging.tick(time.monotonic(), monitor.sample.version, monitor.sample.held)
                 if watchdog is not None and monitor.sample is not None:
                     watchdog.observe(time.monotonic(), monitor.sample)
                     if not self.handle_stall(watchdog):

@@ -19,6 +19,7 @@ from stream_rl.contracts import EvalResult, WeightVersion
 from stream_rl.errors import KafkaError
 from stream_rl.kafka.confluent import KafkaTransport
 from stream_rl.kafka.follower import RecordFollower, VersionFollower
+from stream_rl.kafka.hanging import held_back
 from stream_rl.kafka.lag import LagExporter
 from stream_rl.kafka.topics import EVAL_RESULTS, PROBLEMS, RAW_ROLLOUTS, SCORED, TRAINING_BATCHES, TopicNames
 from stream_rl.run.watchdog import Sample
@@ -169,9 +170,11 @@ class RunMonitor:
     def _sample(self) -> None:
         try:
             offsets = {}
+            held: dict[tuple[str, int], int] = {}
             for stage, topic in STAGE_TOPICS.items():
                 marks = self.kafka.watermarks(self.names[topic])
                 offsets[stage] = sum(h for _, h in marks.values())
+                held.update(held_back(self.names[topic], marks, self.kafka.log_ends(self.names[topic])))
             lags: dict[str, int] = {}
             for x in self._lag.refresh(with_age=False):
                 role = x.group.rsplit(".", 1)[-1]
@@ -185,6 +188,7 @@ class RunMonitor:
             lags=lags,
             untrained=max(offsets.get("preprocessor", 0) - self._consumed(latest), 0) if latest else 0,
             step_offsets=self._step_offsets,
+            held=held,
         )
         self._write({"kind": "offsets", "offsets": offsets})
         self._write({"kind": "lag", "lag": lags})

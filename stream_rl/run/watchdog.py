@@ -40,6 +40,9 @@ class Sample:
     """Offsets of training-batches past those the latest version consumed."""
     step_offsets: int = 0
     """Offsets of training-batches one step consumed lately (0: not known yet)."""
+    held: dict[tuple[str, int], int] = field(default_factory=dict)
+    """Partitions of those outputs whose last stable offset stops short of their log end, with it
+    (an open transaction: `stream_rl.kafka.hanging.held_back`)."""
 
 
 @dataclass

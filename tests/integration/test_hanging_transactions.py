@@ -21,8 +21,10 @@ from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from stream_rl.cli import main as cli_main
 from stream_rl.common.ports import free_port
+from stream_rl.config import KafkaConfig
 from stream_rl.kafka.broker import LocalBroker
 from stream_rl.kafka.confluent import KafkaTransport
+from stream_rl.kafka.hanging import CHECK_AFTER_S, HangingWatch, held_back, run_scope
 from stream_rl.kafka.topics import SCORED, TopicNames, apply_topics
 
 pytestmark = pytest.mark.integration
@@ -111,6 +113,20 @@ def _run_with_an_open_transaction(broker: LocalBroker, run: str) -> tuple[str, T
     return state.bootstrap, names, producer
 
 
+def _restart_without_the_coordinators_log(broker: LocalBroker) -> str:
+    """The broker killed with the transaction open, and started again without its transaction
+    coordinator's log; its new bootstrap."""
+    pid = broker.running().pid  # type: ignore[union-attr]
+    os.kill(pid, signal.SIGKILL)
+    broker.down(quiet=True, timeout=10)  # reaps it
+    logs = broker.data_dir / "kraft-logs"
+    removed = sorted(p.name for p in logs.glob("__transaction_state-*"))
+    assert removed, "no transaction coordinator log to remove"
+    for path in logs.glob("__transaction_state-*"):
+        shutil.rmtree(path)
+    return broker.up(quiet=True).bootstrap
+
+
 def _hanging(names: TopicNames, bootstrap: str, *extra: str) -> int:
     return cli_main(["hanging", "--run", names.run, "--bootstrap", bootstrap, "--min-age", "1", *extra])
 
@@ -121,16 +137,7 @@ def test_a_transaction_no_coordinator_knows_is_found_and_aborted(
     bootstrap, names, _producer = _run_with_an_open_transaction(broker, "hang")
     scored = names[SCORED]
     assert _ends(bootstrap, scored, 1) == (0, 1)
-    # The broker dies with the transaction open and comes back without its coordinator's log.
-    pid = broker.running().pid  # type: ignore[union-attr]
-    os.kill(pid, signal.SIGKILL)
-    broker.down(quiet=True, timeout=10)  # reaps it
-    logs = broker.data_dir / "kraft-logs"
-    removed = sorted(p.name for p in logs.glob("__transaction_state-*"))
-    assert removed, "no transaction coordinator log to remove"
-    for path in logs.glob("__transaction_state-*"):
-        shutil.rmtree(path)
-    bootstrap = broker.up(quiet=True).bootstrap
+    bootstrap = _restart_without_the_coordinators_log(broker)
     # The fault: the record stays undecided and the group's offsets cannot be read.
     assert _ends(bootstrap, scored, 1) == (0, 1)
     assert (
@@ -173,3 +180,30 @@ def test_a_transaction_its_coordinator_counts_is_left_alone(
     while _ends(bootstrap, names[SCORED], 1) != (2, 2):
         assert time.monotonic() < deadline, _ends(bootstrap, names[SCORED], 1)
         time.sleep(0.1)
+
+
+def test_a_hang_on_one_partition_while_versions_come_is_found_by_the_launchers_watch(
+    broker: LocalBroker,
+) -> None:
+    """The launcher's watch (`HangingWatch`) as the launcher drives it, on the real broker: weight
+    versions keep coming for a while (the run goes on from scored's other partition), so only scored[1]'s last
+    stable offset, held short of its end, tells; once held `CHECK_AFTER_S` the watch aborts it."""
+    bootstrap, names, _producer = _run_with_an_open_transaction(broker, "part")
+    bootstrap = _restart_without_the_coordinators_log(broker)
+    scored = names[SCORED]
+    kafka = KafkaTransport(bootstrap)
+    held = held_back(scored, kafka.watermarks(scored), kafka.log_ends(scored))
+    assert held == {(scored, 1): 0}  # the fault: scored[1] held at offset 0, scored[0] free
+    topics, prefix = run_scope(names)
+    said: list[str] = []
+    watch = HangingWatch(KafkaConfig(), bootstrap, topics, prefix, said.append, min_age_s=1)
+    watch.tick(0.0, 10, held)
+    watch.tick(CHECK_AFTER_S - 1, 11, held)
+    assert watch.checks == 0 and not watch.reason
+    watch.tick(CHECK_AFTER_S, 12, held)
+    watch.join(120)
+    assert watch.reason == f"a last stable offset held for {CHECK_AFTER_S:.0f}s ({scored} 1 at 0)"
+    assert watch.checks == 1 and len(watch.aborted) == 2, said  # scored[1] and the group's offsets
+    assert any(line.startswith(f"hanging {scored} 1 producer") for line in watch.aborted), said
+    assert _ends(bootstrap, scored, 1) == (2, 2)  # decided: the record and the abort marker
+    assert held_back(scored, kafka.watermarks(scored), kafka.log_ends(scored)) == {}

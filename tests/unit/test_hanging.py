@@ -51,6 +51,7 @@ def test_it_looks_once_no_version_came_for_a_while_and_then_every_so_often(
             "topics": ["stream-rl.r.scored"],
             "transactional_prefix": "stream-rl.r.",
             "abort": True,
+            "min_age_s": hanging.MIN_AGE_S,
         }
     ]
     assert said == [f"a hanging transaction (KIP-664) held the run: {ABORTED}"]
@@ -80,3 +81,32 @@ def test_a_check_that_could_not_run_says_nothing_to_the_user(monkeypatch: pytest
     watch.tick(CHECK_AFTER_S, None)
     watch.join()
     assert len(calls) == 1 and said == [] and watch.checks == 1
+
+
+HELD = ("stream-rl.r.scored", 0)
+
+
+def test_a_partition_held_at_one_offset_while_versions_come_is_looked_at(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hang on one partition of several: versions go on from the others, so only the held
+    partition's last stable offset tells (it would wait for good)."""
+    watch, calls, said = _watch(monkeypatch, Hanging(True, [ABORTED]))
+    for i in range(4):
+        watch.tick(i * (CHECK_AFTER_S / 4), i, {HELD: 85})
+    watch.join()
+    assert calls == []  # held for 30 s: a live transaction is decided within 15 s, still not looked at
+    watch.tick(CHECK_AFTER_S, 4, {HELD: 85})
+    watch.join()
+    assert len(calls) == 1 and said == [f"a hanging transaction (KIP-664) held the run: {ABORTED}"]
+    assert watch.reason == f"a last stable offset held for {CHECK_AFTER_S:.0f}s (stream-rl.r.scored 0 at 85)"
+
+
+def test_open_transactions_that_are_decided_keep_it_from_looking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A busy partition is often caught with a transaction open, each time at a later offset."""
+    watch, calls, _said = _watch(monkeypatch, Hanging(True, []))
+    for i in range(12):
+        held = {HELD: 10 * i} if i % 3 else {}  # open at a new offset, or decided, at each look
+        watch.tick(i * (CHECK_AFTER_S / 4), i, held)
+    watch.join()
+    assert calls == []
