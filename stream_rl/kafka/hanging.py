@@ -145,10 +145,11 @@ class HangingWatch:
         if self._since is None or version != self._version:
             self._since, self._version = now, version
         if held is not None:
-            self._held = {
-                tp: prev if (prev := self._held.get(tp)) is not None and prev[0] == lso else (lso, now)
-                for tp, lso in held.items()
-            }
+            held_now: dict[tuple[str, int], tuple[int, float]] = {}
+            for tp, lso in held.items():  # still held at the same offset: it keeps its start
+                prev = self._held.get(tp)
+                held_now[tp] = prev if prev is not None and prev[0] == lso else (lso, now)
+            self._held = held_now
         stuck = sorted(
             f"{t} {p} at {lso}" for (t, p), (lso, since) in self._held.items() if now - since >= CHECK_AFTER_S
         )

@@ -172,9 +172,10 @@ class RunMonitor:
             offsets = {}
             held: dict[tuple[str, int], int] = {}
             for stage, topic in STAGE_TOPICS.items():
-                marks = self.kafka.watermarks(self.names[topic])
+                name = self.names[topic]
+                marks = self.kafka.watermarks(name)
                 offsets[stage] = sum(h for _, h in marks.values())
-                held.update(held_back(self.names[topic], marks, self.kafka.log_ends(self.names[topic])))
+                held.update(held_back(name, marks, self.kafka.log_ends(name)))
             lags: dict[str, int] = {}
             for x in self._lag.refresh(with_age=False):
                 role = x.group.rsplit(".", 1)[-1]

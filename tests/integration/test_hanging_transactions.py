@@ -186,8 +186,9 @@ def test_a_hang_on_one_partition_while_versions_come_is_found_by_the_launchers_w
     broker: LocalBroker,
 ) -> None:
     """The launcher's watch (`HangingWatch`) as the launcher drives it, on the real broker: weight
-    versions keep coming for a while (the run goes on from scored's other partition), so only scored[1]'s last
-    stable offset, held short of its end, tells; once held `CHECK_AFTER_S` the watch aborts it."""
+    versions keep coming for a while (the run goes on from scored's other partition), so only
+    scored[1]'s last stable offset, held short of its end, tells; once held `CHECK_AFTER_S` the
+    watch aborts it."""
     bootstrap, names, _producer = _run_with_an_open_transaction(broker, "part")
     bootstrap = _restart_without_the_coordinators_log(broker)
     scored = names[SCORED]

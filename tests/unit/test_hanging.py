@@ -1,6 +1,7 @@
 """When the launcher looks for hanging transactions (stream_rl/kafka/hanging.py `HangingWatch`): once
-no weight version came for CHECK_AFTER_S, then at most every EVERY_S while none comes, never
-while versions come; what it found said in one line each. The program itself runs against a real
+no weight version came for CHECK_AFTER_S, or a partition stayed held at one last stable offset that
+long, then at most every EVERY_S while either holds, never while versions come and no partition is
+held; what it found said in one line each. The program itself runs against a real
 broker in tests/integration/test_hanging_transactions.py."""
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ HELD = ("stream-rl.r.scored", 0)
 def test_a_partition_held_at_one_offset_while_versions_come_is_looked_at(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A hang on one partition of several: versions go on from the others, so only the held
-    partition's last stable offset tells (it would wait for good)."""
+    """A hang on one partition of several: versions go on from the others (until the held samples
+    fill the actor's admission window), so only the held partition's last stable offset tells."""
     watch, calls, said = _watch(monkeypatch, Hanging(True, [ABORTED]))
     for i in range(4):
         watch.tick(i * (CHECK_AFTER_S / 4), i, {HELD: 85})
